@@ -1,0 +1,232 @@
+"""The Transport interface: move byte ranges between registered memory regions of two peers.
+
+A region is one contiguous span of memory (a KV cache storage, usually). Each side registers its
+own regions, sends the descriptors to its peer over the control plane, and the peer attaches them.
+After that, one side moves batches of `(local_offset, remote_offset, length)` copies:
+WRITE pushes local bytes into the peer's region, READ pulls the peer's bytes into ours.
+
+Backends know nothing of vLLM, blocks or requests: the connector turns block ids into byte
+offsets (`block_copy_ops`) and hands the transport plain copy lists.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+
+class CopyOp(NamedTuple):
+    """One copy of `length` bytes, offsets relative to the start of a local and a remote region."""
+
+    local_offset: int
+    remote_offset: int
+    length: int
+
+
+class RegionOps(NamedTuple):
+    """The copies of one batch that touch region `region_id` (same id on both sides)."""
+
+    region_id: int
+    ops: tuple[CopyOp, ...]
+
+
+class Direction(Enum):
+    WRITE = "WRITE"  # local -> remote
+    READ = "READ"  # remote -> local
+
+
+class TransferStatus(Enum):
+    PENDING = "PENDING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class RegionDescriptor:
+    """What a peer needs to reach one of our regions: its id, size and how to map it.
+
+    `shm_name` is the POSIX shm segment (a file name in /dev/shm) backing the region, for the
+    shm backend; `address` is the region's virtual address in the owner's process, for backends
+    that address remote memory directly (NIXL). Either may be None.
+    """
+
+    region_id: int
+    size: int
+    shm_name: str | None
+    address: int | None
+
+    def to_wire(self) -> dict:
+        return {
+            "region_id": self.region_id,
+            "size": self.size,
+            "shm_name": self.shm_name,
+            "address": self.address,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict) -> RegionDescriptor:
+        from pdserve.errors import ProtocolError
+
+        expected = {"region_id", "size", "shm_name", "address"}
+        if not isinstance(data, dict) or set(data) != expected:
+            raise ProtocolError(f"region descriptor must have exactly the keys {sorted(expected)}, got {data!r}")
+        region_id, size, shm_name, address = (data[k] for k in ("region_id", "size", "shm_name", "address"))
+        if not isinstance(region_id, int) or not isinstance(size, int) or size < 0:
+            raise ProtocolError(f"region descriptor has a bad region_id/size: {data!r}")
+        if shm_name is not None and not isinstance(shm_name, str):
+            raise ProtocolError(f"region descriptor shm_name must be a string or None: {data!r}")
+        if address is not None and not isinstance(address, int):
+            raise ProtocolError(f"region descriptor address must be an int or None: {data!r}")
+        return cls(region_id, size, shm_name, address)
+
+
+class TransferHandle:
+    """One submitted batch. The transport sets its status once, from PENDING to DONE or FAILED."""
+
+    def __init__(self, peer_id: str, direction: Direction, num_bytes: int):
+        self.peer_id = peer_id
+        self.direction = direction
+        self.num_bytes = num_bytes
+        self.status = TransferStatus.PENDING
+        self.error: str | None = None
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._done = threading.Event()
+
+    @property
+    def seconds(self) -> float | None:
+        """Time from submit to completion, None while pending."""
+        return None if self.finished is None else self.finished - self.started
+
+    def finish(self, status: TransferStatus, error: str | None = None) -> None:
+        """Called by the transport, exactly once, when the batch completed or failed."""
+        if status is TransferStatus.PENDING:
+            raise ValueError("a transfer can only finish as DONE or FAILED")
+        if self.status is not TransferStatus.PENDING:
+            raise RuntimeError(f"transfer already finished: expected PENDING, found {self.status.name}")
+        self.error = error
+        self.finished = time.monotonic()
+        self.status = status
+        self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until finished or `timeout_s` elapsed; True when finished."""
+        return self._done.wait(timeout_s)
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferHandle(peer={self.peer_id!r}, {self.direction.name}, {self.num_bytes} B, "
+            f"{self.status.name}{', ' + self.error if self.error else ''})"
+        )
+
+
+class Transport(ABC):
+    """Moves bytes between our registered regions and an attached peer's regions.
+
+    Called by the connector's worker half: `register_region` once per KV cache storage at
+    startup, `local_descriptors` to fill the handshake reply, `attach_peer` when a handshake
+    with a peer succeeds, then `submit`/`poll`/`wait` per transfer, `close` at shutdown.
+    A transport is used from one thread (the connector's); completion happens in the background.
+    """
+
+    @abstractmethod
+    def register_region(
+        self, region_id: int, address: int, size: int, shm_name: str | None = None
+    ) -> RegionDescriptor:
+        """Declare `size` bytes of local memory at `address` that peers may read and write.
+
+        `shm_name` names the POSIX shm segment holding that memory (the shm backend requires it
+        so the peer can map the region). Registering an id twice raises ValueError.
+        """
+
+    @abstractmethod
+    def local_descriptors(self) -> list[RegionDescriptor]:
+        """The descriptors of every registered local region, in region id order."""
+
+    @abstractmethod
+    def attach_peer(self, peer_id: str, descriptors: list[RegionDescriptor]) -> None:
+        """Make a peer's regions reachable. Idempotent: attaching the same descriptors again is a
+        no-op; attaching different ones replaces the old mapping."""
+
+    @abstractmethod
+    def detach_peer(self, peer_id: str) -> None:
+        """Forget a peer (unmap its regions). Unknown peers are ignored."""
+
+    @abstractmethod
+    def submit(self, peer_id: str, direction: Direction, batch: Sequence[RegionOps]) -> TransferHandle:
+        """Start copying `batch` to (WRITE) or from (READ) the peer; returns at once.
+
+        Never raises for a bad batch: an unknown peer or region, or an op out of either region's
+        bounds, fails the handle (status FAILED, `error` naming region, offset and length) before
+        any byte of the batch is copied.
+        """
+
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        """The handle's current status, without blocking."""
+        return handle.status
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> TransferStatus:
+        """Block until the handle is finished; raises TransferTimeout after `timeout_s`."""
+        from pdserve.errors import TransferTimeout
+
+        if not handle.wait(timeout_s):
+            raise TransferTimeout(f"transfer {handle!r} not finished after {timeout_s:.3f} s")
+        return handle.status
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fail pending transfers, join background threads, unmap peers. Idempotent."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def merge_contiguous(ops: Iterable[CopyOp]) -> tuple[CopyOp, ...]:
+    """Sort by local offset and coalesce neighbours contiguous on both sides into one copy."""
+    merged: list[CopyOp] = []
+    for op in sorted(ops, key=lambda o: (o.local_offset, o.remote_offset)):
+        if op.length == 0:
+            continue
+        if merged:
+            last = merged[-1]
+            if (
+                last.local_offset + last.length == op.local_offset
+                and last.remote_offset + last.length == op.remote_offset
+            ):
+                merged[-1] = CopyOp(last.local_offset, last.remote_offset, last.length + op.length)
+                continue
+        merged.append(op)
+    return tuple(merged)
+
+
+def block_copy_ops(
+    local_block_ids: Sequence[int],
+    remote_block_ids: Sequence[int],
+    block_bytes: int,
+    *,
+    block_stride: int | None = None,
+    local_base: int = 0,
+    remote_base: int = 0,
+) -> tuple[CopyOp, ...]:
+    """Copies that move local block `l[i]` to/from remote block `r[i]`, merged where contiguous.
+
+    Block `b` starts at `base + b * block_stride` (stride defaults to `block_bytes`, i.e. blocks
+    packed back to back); `block_bytes` bytes of it are copied.
+    """
+    if len(local_block_ids) != len(remote_block_ids):
+        raise ValueError(
+            f"block id lists differ in length: {len(local_block_ids)} local, {len(remote_block_ids)} remote"
+        )
+    stride = block_bytes if block_stride is None else block_stride
+    return merge_contiguous(
+        CopyOp(local_base + local * stride, remote_base + remote * stride, block_bytes)
+        for local, remote in zip(local_block_ids, remote_block_ids)
+    )
