@@ -56,7 +56,9 @@ def move_tensor_to_shared_memory(tensor: torch.Tensor, segment_name: str) -> Sha
     nbytes = storage.nbytes()
     segment = SharedSegment.create(segment_name, nbytes)
     try:
-        shm_storage = torch.frombuffer(segment.mmap, dtype=torch.uint8).untyped_storage()
+        # torch.frombuffer keeps a reference to the object but not a buffer export; a memoryview
+        # holds the export, so the mmap cannot be unmapped while the storage lives.
+        shm_storage = torch.frombuffer(memoryview(segment.mmap), dtype=torch.uint8).untyped_storage()
         shm_storage.copy_(storage)
         if hasattr(storage, "_swap_data_ptr_"):
             storage._swap_data_ptr_(shm_storage)

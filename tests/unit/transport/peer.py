@@ -36,12 +36,11 @@ def segment_leaker(conn, token: str, size: int) -> None:
     segment.mmap[:4] = b"leak"
 
 
-def tensor_peer(conn, name: str, size: int) -> None:
-    """Attach a segment, report its bytes, write what we are told, report again."""
+def tensor_peer(conn, name: str) -> None:
+    """Attach a segment, send its bytes, then write the (offset, data) we are sent."""
     segment = SharedSegment.attach(name)
-    conn.send(bytes(segment.mmap[:size]))
+    conn.send(bytes(segment.mmap[:]))
     offset, data = conn.recv()
     segment.mmap[offset : offset + len(data)] = data
     conn.send("written")
-    conn.recv()
     segment.close(unlink=False)
