@@ -1,0 +1,110 @@
+"""What a benchmark run measures, frozen once and stored next to its results.
+
+A results directory holds exactly one plan (``plan.json``); resuming into a directory whose plan
+differs is refused, so points measured under different settings are never mixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.bench.slo import SLO
+from pdserve.errors import ConfigError
+
+KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The `vllm bench serve` random-dataset load of one point (one rate, one seed)."""
+
+    input_len: int
+    output_len: int
+    num_prompts: int
+    burstiness: float = 1.0  # 1 = Poisson arrivals
+
+
+@dataclass(frozen=True)
+class Point:
+    """One bench invocation: a configuration at a rate with an arrival seed."""
+
+    config: str
+    rate: float
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.config}/r{self.rate:g}_s{self.seed}"
+
+    def bench_seed(self, plan: "BenchPlan") -> int:
+        """The `--seed` passed to vllm bench: fresh prompts per (rate, seed), same in every config.
+
+        Distinct seeds per point mean no prompt is ever sent twice to one deployment, so no point
+        gets prefix-cache hits from an earlier one even where prefix caching is on.
+        """
+        return 1000 * self.seed + plan.rates.index(self.rate)
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    configs: tuple[str, ...]
+    rates: tuple[float, ...]
+    seeds: tuple[int, ...]
+    workload: Workload
+    slos: tuple[SLO, ...]
+    model: str  # model size name (pdserve make-model) or a model directory
+    headline_rate: float  # the rate of the Table-3 style comparison
+    target: float = 0.9  # attainment needed for a rate to count towards goodput
+    chunked_tokens: int = 256  # --max-num-batched-tokens of the `chunked` config
+    chunk_candidates: tuple[int, ...] = ()  # if set, `chunked_tokens` is tuned over these first
+    warmup_prompts: int = 4
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.configs if c not in KNOWN_CONFIGS]
+        if unknown:
+            raise ConfigError(f"unknown configurations {unknown} (known: {', '.join(KNOWN_CONFIGS)})")
+        if not self.configs or not self.rates or not self.seeds or not self.slos:
+            raise ConfigError("a plan needs at least one configuration, rate, seed and SLO")
+        if len(set(self.configs)) != len(self.configs) or len(set(self.rates)) != len(self.rates):
+            raise ConfigError("configurations and rates must not repeat")
+        if any(r <= 0 for r in self.rates):
+            raise ConfigError(f"rates must be positive: {self.rates}")
+        if not 0 < self.target <= 1:
+            raise ConfigError(f"attainment target must be in (0, 1]: {self.target}")
+
+    def points(self) -> list[Point]:
+        """Every point, grouped by configuration (one deployment each), rates ascending."""
+        return [Point(c, r, s) for c in self.configs for r in sorted(self.rates) for s in self.seeds]
+
+    @property
+    def headline(self) -> float:
+        """The measured rate used for the headline table: the highest rate <= headline_rate."""
+        below = [r for r in self.rates if r <= self.headline_rate]
+        return max(below) if below else min(self.rates)
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["slos"] = [str(s) for s in self.slos]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "BenchPlan":
+        fields = dict(data)
+        fields["workload"] = Workload(**fields["workload"])
+        fields["slos"] = tuple(SLO.parse(s) for s in fields["slos"])
+        for key in ("configs", "rates", "seeds", "chunk_candidates"):
+            fields[key] = tuple(fields[key])
+        return cls(**fields)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "BenchPlan":
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"cannot read bench plan {path}: {exc}") from exc

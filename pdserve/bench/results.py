@@ -1,0 +1,77 @@
+"""The on-disk layout of one benchmark run, and which of its points are already measured.
+
+    <dir>/plan.json                      the frozen BenchPlan
+    <dir>/raw/<config>/r<rate>_s<seed>.json   vllm bench serve --save-detailed output, untouched
+    <dir>/logs/<config>/...              bench client and deployment logs
+    <dir>/tune.json                      chunk-size tuning of the `chunked` config
+    <dir>/report.md, summary.json, plots/*.png
+
+A point counts as done when its raw file exists and reads back; a half-written file is never
+left behind (the client writes to a temporary name that is renamed on success).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.bench.plan import BenchPlan, Point
+from pdserve.bench.records import BenchRun, load_bench_run
+from pdserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ResultsDir:
+    root: Path
+
+    @property
+    def plan_path(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def tune_path(self) -> Path:
+        return self.root / "tune.json"
+
+    @property
+    def report_path(self) -> Path:
+        return self.root / "report.md"
+
+    @property
+    def plots_dir(self) -> Path:
+        return self.root / "plots"
+
+    def raw_path(self, point: Point) -> Path:
+        return self.root / "raw" / point.config / f"r{point.rate:g}_s{point.seed}.json"
+
+    def log_dir(self, config: str) -> Path:
+        return self.root / "logs" / config
+
+    def open_plan(self, plan: BenchPlan | None) -> BenchPlan:
+        """Store ``plan`` (or, resuming with None, read the stored one); refuse a different plan."""
+        stored = BenchPlan.load(self.plan_path) if self.plan_path.exists() else None
+        if plan is None:
+            if stored is None:
+                raise ConfigError(f"{self.root} holds no plan.json: nothing to resume")
+            return stored
+        if stored is not None and stored.to_json() != plan.to_json():
+            raise ConfigError(
+                f"{self.root} holds results of a different plan; resume without changing options "
+                "(or pass --resume alone), or choose another --out directory"
+            )
+        self.root.mkdir(parents=True, exist_ok=True)
+        plan.save(self.plan_path)
+        return plan
+
+    def is_done(self, point: Point) -> bool:
+        path = self.raw_path(point)
+        if not path.exists():
+            return False
+        try:
+            load_bench_run(path)
+        except ConfigError:
+            return False
+        return True
+
+    def load(self, plan: BenchPlan) -> dict[Point, BenchRun]:
+        """Every measured point of ``plan`` (missing ones are absent from the mapping)."""
+        return {p: load_bench_run(self.raw_path(p)) for p in plan.points() if self.raw_path(p).exists()}

@@ -1,0 +1,64 @@
+import pytest
+
+from pdserve.bench.plan import BenchPlan, Point
+from pdserve.bench.presets import PRESETS, preset
+from pdserve.bench.results import ResultsDir
+from pdserve.errors import ConfigError
+
+from tests.unit.bench import synthetic
+
+
+def test_plan_json_round_trip_and_presets():
+    for plan in PRESETS.values():
+        assert BenchPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ConfigError):
+        preset("nope")
+
+
+def test_plan_validation():
+    with pytest.raises(ConfigError, match="unknown configurations"):
+        synthetic.plan(configs=("collocated", "disagg"))
+    with pytest.raises(ConfigError):
+        synthetic.plan(rates=(1.0, 1.0))
+    with pytest.raises(ConfigError):
+        synthetic.plan(seeds=())
+
+
+def test_points_and_bench_seeds_are_fresh_per_point_and_equal_across_configs():
+    plan = synthetic.plan()
+    points = plan.points()
+    assert len(points) == 2 * 3 * 2 and points[0] == Point("collocated", 1.0, 1)
+    seeds = {(p.rate, p.seed): p.bench_seed(plan) for p in points if p.config == "collocated"}
+    assert len(set(seeds.values())) == len(seeds)  # no prompt set reused within a deployment
+    for p in points:
+        assert p.bench_seed(plan) == seeds[(p.rate, p.seed)]
+
+
+def test_headline_is_highest_measured_rate_at_or_below_requested():
+    assert synthetic.plan(headline_rate=2.5).headline == 2.0
+    assert synthetic.plan(headline_rate=0.5).headline == 1.0
+
+
+def test_results_dir_resume_rules(tmp_path):
+    results = ResultsDir(tmp_path / "run")
+    plan = synthetic.plan()
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        results.open_plan(None)
+    assert results.open_plan(plan) == plan
+    assert results.open_plan(None) == plan  # resume reads the stored plan
+    assert results.open_plan(plan) == plan
+    with pytest.raises(ConfigError, match="different plan"):
+        results.open_plan(synthetic.plan(seeds=(1, 2, 3)))
+
+
+def test_point_done_only_when_raw_file_reads_back(tmp_path):
+    results = ResultsDir(tmp_path)
+    plan = synthetic.plan()
+    point = plan.points()[0]
+    assert not results.is_done(point)
+    results.raw_path(point).parent.mkdir(parents=True)
+    results.raw_path(point).write_text("{truncated")
+    assert not results.is_done(point)
+    synthetic.write(results.raw_path(point), synthetic.point_data(3, 0))
+    assert results.is_done(point)
+    assert list(results.load(plan)) == [point]

@@ -1,0 +1,93 @@
+import pytest
+
+from pdserve.bench.attainment import Verdict
+from pdserve.bench.goodput import Bound
+from pdserve.bench.plots import write_plots
+from pdserve.bench.report import write_report
+from pdserve.bench.results import ResultsDir
+from pdserve.bench.summary import curve, latency
+
+from tests.unit.bench import synthetic
+
+# attainment (blog SLO), 10 requests per point:
+#   collocated  r1: 10,10  r2: 10, 8  r3: 6, 4  -> means 1.0, 0.9, 0.5
+#   round-robin r1: 10,10  r2:  7, 9  r3: 2, 2  -> means 1.0, 0.8, 0.2
+LAYOUT = {
+    ("collocated", 1.0, 1): dict(met_n=10, ttft_n=0),
+    ("collocated", 1.0, 2): dict(met_n=10, ttft_n=0),
+    ("collocated", 2.0, 1): dict(met_n=5, ttft_n=0, stalled_n=5),
+    ("collocated", 2.0, 2): dict(met_n=8, ttft_n=1, failed_n=1),
+    ("collocated", 3.0, 1): dict(met_n=6, ttft_n=4),
+    ("collocated", 3.0, 2): dict(met_n=4, ttft_n=6),
+    ("round-robin", 1.0, 1): dict(met_n=10, ttft_n=0),
+    ("round-robin", 1.0, 2): dict(met_n=10, ttft_n=0),
+    ("round-robin", 2.0, 1): dict(met_n=7, ttft_n=0, itl_n=3),
+    ("round-robin", 2.0, 2): dict(met_n=9, ttft_n=0, itl_n=1),
+    ("round-robin", 3.0, 1): dict(met_n=2, ttft_n=0, itl_n=8),
+    ("round-robin", 3.0, 2): dict(met_n=2, ttft_n=1, itl_n=7),
+}
+
+
+@pytest.fixture
+def measured(tmp_path):
+    plan = synthetic.plan()
+    results = ResultsDir(tmp_path)
+    results.open_plan(plan)
+    for point in plan.points():
+        synthetic.write(results.raw_path(point), synthetic.point_data(**LAYOUT[(point.config, point.rate, point.seed)]))
+    return plan, results, results.load(plan)
+
+
+def test_curve_attainment_ci_and_goodput(measured):
+    plan, _, runs = measured
+    blog, stall = plan.slos
+    col = curve(plan, runs, "collocated", blog)
+    at2 = col.at(2.0)
+    assert [a.num_met for a in at2.per_seed] == [10, 8]
+    assert at2.attainment.mean == pytest.approx(0.9)
+    # s = sqrt(2)*0.1/ sqrt(1)... values 1.0, 0.8: s = 0.141421, half = 12.706*0.141421/sqrt(2) = 1.2706
+    assert at2.attainment.half_width == pytest.approx(1.2706, abs=1e-4)
+    assert at2.misses == {Verdict.TTFT: 1, Verdict.FAILED: 1}
+    # collocated passes at 2.0 (0.9), fails at 3.0 (0.5): exactly 2.0
+    assert col.goodput.value == pytest.approx(2.0) and col.goodput.bound is Bound.EXACT
+    # per seed: seed 1 curve 1.0, 1.0, 0.6 -> 2 + 0.1/0.4 = 2.25; seed 2 curve 1.0, 0.8 -> 1 + 0.1/0.2 = 1.5
+    assert [g.value for g in col.seed_goodputs] == pytest.approx([2.25, 1.5])
+    rr = curve(plan, runs, "round-robin", blog)
+    # rr mean 1.0, 0.8: 1 + 0.1/0.2 * 1 = 1.5
+    assert rr.goodput.value == pytest.approx(1.5)
+    assert rr.at(3.0).main_miss_cause is Verdict.ITL
+    # the stalled requests pass the blog SLO but miss the stall SLO: collocated seed 1 at r2 -> 5/10
+    assert curve(plan, runs, "collocated", stall).at(2.0).per_seed[0].num_met == 5
+
+
+def test_latency_pools_seeds_and_excludes_failures(measured):
+    plan, _, runs = measured
+    lat = latency(plan, runs, "collocated", 2.0)
+    assert lat.num_requests == 20 and lat.num_failed == 1
+    assert lat.ttft_p50 == pytest.approx(100.0)
+    assert lat.max_gap_p90 == pytest.approx(150.0)
+    assert latency(plan, {}, "collocated", 2.0) is None
+
+
+def test_report_and_plots(measured):
+    plan, results, runs = measured
+    plots = write_plots(plan, runs, results.plots_dir)
+    assert [p.name for p in plots] == ["attainment_blog.png", "attainment_stall.png", "distributions_r2.png"]
+    for p in plots:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+    text = write_report(plan, runs, results.report_path, notes=["a note"], plots=plots)
+    assert results.report_path.read_text() == text
+    assert "| collocated | 18 / 20 | 0.90 [0.00, 1.00] | failed | 1 / 0 / 0 / 1 |" in text
+    assert "| round-robin | 16 / 20 | 0.80" in text
+    # goodput row with ratio to round-robin: 2.0 / 1.5 = 1.33
+    assert "| collocated | 2.00 | 2 | 2.25, 1.50 | 1.33 | — |" in text
+    assert "![attainment_blog](plots/attainment_blog.png)" in text
+    assert "Incomplete" not in text and "- a note" in text
+
+
+def test_report_marks_missing_points(measured, tmp_path):
+    plan, results, runs = measured
+    partial = {p: r for p, r in runs.items() if p.config == "collocated"}
+    text = write_report(plan, partial, tmp_path / "partial.md")
+    assert "Incomplete: 6 of 12 points" in text
+    assert "| round-robin | not measured |" in text
