@@ -39,3 +39,7 @@ class TransferTimeout(TransferError):
 
 class LaunchError(PDServeError):
     """A process of a deployment could not be started or did not become healthy."""
+
+
+class AddressInUseError(ConfigError):
+    """A port pdserve was told to bind is already taken by another process."""
