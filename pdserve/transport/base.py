@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
+from pdserve.errors import ProtocolError, TransferTimeout
+
 
 class CopyOp(NamedTuple):
     """One copy of `length` bytes, offsets relative to the start of a local and a remote region."""
@@ -70,8 +72,6 @@ class RegionDescriptor:
 
     @classmethod
     def from_wire(cls, data: dict) -> RegionDescriptor:
-        from pdserve.errors import ProtocolError
-
         expected = {"region_id", "size", "shm_name", "address"}
         if not isinstance(data, dict) or set(data) != expected:
             raise ProtocolError(f"region descriptor must have exactly the keys {sorted(expected)}, got {data!r}")
@@ -151,7 +151,11 @@ class Transport(ABC):
     @abstractmethod
     def attach_peer(self, peer_id: str, descriptors: list[RegionDescriptor]) -> None:
         """Make a peer's regions reachable. Idempotent: attaching the same descriptors again is a
-        no-op; attaching different ones replaces the old mapping."""
+        no-op; attaching different ones replaces the old mapping.
+
+        Raises TransferError naming every region that cannot be reached (shm segment missing or
+        smaller than its descriptor says); the peer is then left detached.
+        """
 
     @abstractmethod
     def detach_peer(self, peer_id: str) -> None:
@@ -172,8 +176,6 @@ class Transport(ABC):
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> TransferStatus:
         """Block until the handle is finished; raises TransferTimeout after `timeout_s`."""
-        from pdserve.errors import TransferTimeout
-
         if not handle.wait(timeout_s):
             raise TransferTimeout(f"transfer {handle!r} not finished after {timeout_s:.3f} s")
         return handle.status

@@ -67,7 +67,7 @@ class CorruptingTransport(Transport):
         self.inner.close()
 
     def __getattr__(self, name: str):
-        # backend extras (peer_errors, ...) pass through
+        # backend-specific extras pass through
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)

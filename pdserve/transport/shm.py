@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from pdserve.errors import TransferError
 from pdserve.transport.base import (
     Direction,
     RegionDescriptor,
@@ -44,26 +45,28 @@ class _Job(NamedTuple):
 
 
 class _PeerMapping:
-    """A peer's regions as mapped here; `errors` keeps why a region could not be mapped."""
+    """A peer's regions as mapped here. Maps every segment or raises TransferError naming each
+    region that could not be mapped (mapping nothing)."""
 
     def __init__(self, descriptors: tuple[RegionDescriptor, ...]):
         self.descriptors = descriptors
         self.segments: dict[int, SharedSegment] = {}
-        self.errors: dict[int, str] = {}
+        errors = []
         for desc in descriptors:
             if desc.shm_name is None:
-                self.errors[desc.region_id] = f"peer region {desc.region_id} has no shm segment name"
+                errors.append(f"region {desc.region_id} has no shm segment name")
                 continue
             try:
                 self.segments[desc.region_id] = SharedSegment.attach(desc.shm_name, desc.size)
-            except Exception as e:  # noqa: BLE001 - recorded, reported by the transfers that need it
-                self.errors[desc.region_id] = f"peer region {desc.region_id}: {e}"
+            except TransferError as e:
+                errors.append(f"region {desc.region_id}: {e}")
+        if errors:
+            self.close()
+            raise TransferError("cannot map the peer's regions: " + "; ".join(errors))
 
-    def region(self, region_id: int) -> _Region | str:
+    def region(self, region_id: int) -> _Region | None:
         segment = self.segments.get(region_id)
-        if segment is None:
-            return self.errors.get(region_id, f"peer has no region {region_id}")
-        return _Region(segment.address, segment.size)
+        return None if segment is None else _Region(segment.address, segment.size)
 
     def close(self) -> None:
         for segment in self.segments.values():
@@ -99,25 +102,21 @@ class ShmTransport(Transport):
         return [self._local[i] for i in sorted(self._local)]
 
     def attach_peer(self, peer_id: str, descriptors: list[RegionDescriptor]) -> None:
-        """Map the peer's segments. A segment that cannot be mapped does not raise: its error is
-        kept (see `peer_errors`) and every transfer touching that region fails with it."""
+        """Map the peer's shm segments (see Transport.attach_peer)."""
         wanted = tuple(sorted(descriptors, key=lambda d: d.region_id))
         current = self._peers.get(peer_id)
         if current is not None and current.descriptors == wanted:
             return
-        mapping = _PeerMapping(wanted)
-        for error in mapping.errors.values():
-            logger.warning("attaching peer %s: %s", peer_id, error)
+        try:
+            mapping = _PeerMapping(wanted)
+        except TransferError as e:
+            self.detach_peer(peer_id)
+            raise TransferError(f"peer {peer_id!r}: {e}") from None
         with self._mapping_lock:
             old = self._peers.get(peer_id)
             self._peers[peer_id] = mapping
         if old is not None:
             old.close()
-
-    def peer_errors(self, peer_id: str) -> dict[int, str]:
-        """Region id -> why that peer region could not be mapped (empty when all mapped)."""
-        mapping = self._peers.get(peer_id)
-        return {} if mapping is None else dict(mapping.errors)
 
     def detach_peer(self, peer_id: str) -> None:
         with self._mapping_lock:
@@ -191,8 +190,8 @@ class ShmTransport(Transport):
             if local_desc is None:
                 return f"no local region {region_ops.region_id}"
             remote = mapping.region(region_ops.region_id)
-            if isinstance(remote, str):
-                return remote
+            if remote is None:
+                return f"peer {handle.peer_id!r} has no region {region_ops.region_id}"
             local = _Region(local_desc.address, local_desc.size)
             for op in region_ops.ops:
                 if (

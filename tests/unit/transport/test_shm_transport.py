@@ -106,24 +106,32 @@ def test_unknown_peer_and_unknown_regions_fail_the_handle(transport):
     assert status is TransferStatus.FAILED and "no local region 5" in handle.error
 
 
-def test_missing_or_short_peer_segment_fails_transfers_not_attach(local_segment):
+def test_missing_or_short_peer_segment_fails_attach_naming_each_region(transport, local_segment, remote_segment):
+    from pdserve.errors import TransferError
     from pdserve.transport import RegionDescriptor
 
-    with ShmTransport() as t:
-        t.register_region(0, local_segment.address, local_segment.size, local_segment.name)
-        t.register_region(1, local_segment.address, 16, local_segment.name)
-        t.attach_peer(
-            "p",
-            [
-                RegionDescriptor(0, 100, "pdserve-0-no-such-segment", None),
-                RegionDescriptor(1, local_segment.size * 2, local_segment.name, None),
-            ],
-        )
-        assert set(t.peer_errors("p")) == {0, 1}
-        status, handle = _run(t, Direction.WRITE, [CopyOp(0, 0, 1)], peer_id="p", region_id=0)
-        assert status is TransferStatus.FAILED and "does not exist" in handle.error
-        status, handle = _run(t, Direction.WRITE, [CopyOp(0, 0, 1)], peer_id="p", region_id=1)
-        assert status is TransferStatus.FAILED and f"has {local_segment.size} bytes" in handle.error
+    bad = [
+        RegionDescriptor(0, 100, "pdserve-0-no-such-segment", None),
+        RegionDescriptor(1, local_segment.size * 2, local_segment.name, None),
+        RegionDescriptor(2, 10, None, 0x1000),
+    ]
+    with pytest.raises(TransferError) as info:
+        transport.attach_peer("peer", bad)
+    message = str(info.value)
+    assert "peer 'peer'" in message and "region 0" in message and "does not exist" in message
+    assert f"region 1" in message and f"has {local_segment.size} bytes, need {local_segment.size * 2}" in message
+    assert "region 2 has no shm segment name" in message
+    status, handle = _run(transport, Direction.WRITE, [CopyOp(0, 0, 1)])
+    assert status is TransferStatus.FAILED and "'peer' is not attached" in handle.error, "a failed attach detaches"
+    transport.attach_peer("peer", [_descriptor_of(remote_segment)])
+    status, handle = _run(transport, Direction.WRITE, [CopyOp(0, 0, 1)], region_id=0)
+    assert status is TransferStatus.DONE
+
+
+def test_region_the_peer_does_not_have_fails_the_handle(transport, local_segment):
+    transport.register_region(1, local_segment.address, 16, local_segment.name)
+    status, handle = _run(transport, Direction.READ, [CopyOp(0, 0, 1)], region_id=1)
+    assert status is TransferStatus.FAILED and "'peer' has no region 1" in handle.error
 
 
 def test_attach_is_idempotent_and_detach_forgets_the_peer(transport, remote_segment):
@@ -181,7 +189,7 @@ def test_corrupting_transport_inverts_the_delivered_bytes(transport, local_segme
     else:
         source, delivered = remote[3 * BLOCK : 4 * BLOCK], local[2 * BLOCK : 3 * BLOCK]
     assert np.array_equal(delivered, source ^ 0xFF)
-    assert corrupting.peer_errors("peer") == {}
+    assert corrupting.local_descriptors() == transport.local_descriptors()
 
 
 def test_two_processes_write_and_read_scattered_blocks(local_segment):
