@@ -1,0 +1,36 @@
+"""One-node launcher: `pdserve up` as a library.
+
+    from pdserve import launch
+    with launch.up(launch.UpOptions(mode="round-robin", model="tiny")) as cluster:
+        cluster.wait_healthy(600)
+        requests.post(cluster.endpoint + "/v1/completions", ...)
+        cluster.instance_urls  # {"vllm0": "http://127.0.0.1:18001", ...}
+
+A new mode is one function in launch/modes.py (or any module listed in modes.PLUGIN_MODULES):
+    @register("write")
+    def write(options: UpOptions) -> Deployment: ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdserve.launch.cluster import Cluster
+from pdserve.launch.instance import InstanceSpec
+from pdserve.launch.modes import Deployment, known_modes, plain_instance, plan, register
+from pdserve.launch.options import UpOptions
+from pdserve.launch.router import RouterSpec
+
+__all__ = ["Cluster", "Deployment", "InstanceSpec", "RouterSpec", "UpOptions", "known_modes", "plain_instance",
+           "plan", "register", "up"]
+
+
+def up(options: UpOptions) -> Cluster:
+    """Plan the deployment for options.mode, build/resolve the model, and start it (not yet healthy)."""
+    from pdserve.model.build import resolve_model
+
+    plan(options)  # an unknown mode fails before any model is built
+    resolved = dataclasses.replace(options, model=str(resolve_model(options.model)))
+    cluster = Cluster(plan(resolved), log_dir=options.log_dir)
+    cluster.start()
+    return cluster

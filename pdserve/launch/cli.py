@@ -1,0 +1,142 @@
+"""`pdserve up` and `pdserve demo`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.errors import LaunchError
+from pdserve.launch.cluster import Cluster
+from pdserve.launch.env import runs_dir
+from pdserve.launch.options import DEFAULT_PORT, UpOptions, parse_bytes
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    up = subparsers.add_parser("up", help="start vLLM instance(s) and router; stop them on Ctrl-C/SIGTERM")
+    _add_up_options(up)
+    up.add_argument("--detach", action="store_true",
+                    help="return once healthy, leaving a supervisor running; stop it with `kill PID`")
+    up.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+    up.set_defaults(func=run_up)
+    demo = subparsers.add_parser("demo", help="bring up a deployment, run a short client session, shut down")
+    _add_up_options(demo)
+    demo.add_argument("--requests", type=int, default=8, help="number of client requests")
+    demo.set_defaults(func=run_demo)
+
+
+def _add_up_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="collocated", help="collocated | round-robin | modes added by plugins")
+    p.add_argument("--model", default="tiny", help="model directory, or tiny|small (built under models/ on first use)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port; instances use the next ones")
+    p.add_argument("--kv-cache", default="1GiB", help="KV cache size per instance (e.g. 1GiB, 512MiB)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--no-prefix-caching", action="store_true", help="pass --no-enable-prefix-caching to vLLM")
+    p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (faster start, slower decode)")
+    p.add_argument("--vllm-args", default="", help="extra vLLM serve flags, one shell-quoted string")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
+    p.add_argument("--log-dir", type=Path, help="keep the processes' logs here after stop")
+
+
+def options_from(args: argparse.Namespace) -> UpOptions:
+    return UpOptions(mode=args.mode, model=args.model, port=args.port, kv_cache_bytes=parse_bytes(args.kv_cache),
+                     max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
+                     enforce_eager=args.enforce_eager, extra_vllm_args=tuple(shlex.split(args.vllm_args)),
+                     startup_timeout=args.startup_timeout, log_dir=args.log_dir)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def started(options: UpOptions) -> Cluster:
+    """Start and wait; SIGTERM during start or serve unwinds through the caller's `finally`."""
+    from pdserve import launch
+
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    start = time.monotonic()
+    cluster = launch.up(options)
+    cluster.wait_healthy(options.startup_timeout)
+    print(f"pdserve: {options.mode} on {options.model} healthy in {time.monotonic() - start:.1f} s", flush=True)
+    return cluster
+
+
+def run_up(args: argparse.Namespace) -> int:
+    options = options_from(args)
+    if args.detach:
+        return _detach(args)
+    cluster = None
+    try:
+        cluster = started(options)
+        print(f"OpenAI endpoint: {cluster.endpoint}/v1", flush=True)
+        for name, url in cluster.instance_urls.items():
+            print(f"  instance {name}: {url}", flush=True)
+        if args.ready_file:
+            args.ready_file.write_text(f"{cluster.endpoint}\n")
+        print("Ctrl-C to stop", flush=True)
+        while True:
+            for process in cluster.processes:
+                if process.exit_code() is not None:
+                    raise LaunchError(f"{process.name} exited with code {process.exit_code()}")
+            time.sleep(1)
+    except (KeyboardInterrupt, _Terminated):
+        return 0
+    finally:
+        if cluster is not None:
+            cluster.stop()
+            print("pdserve: stopped", file=sys.stderr, flush=True)
+
+
+def _detach(args: argparse.Namespace) -> int:
+    """Run `pdserve up` (foreground form) as a supervisor in its own session; return once it is healthy."""
+    runs_dir().mkdir(parents=True, exist_ok=True)
+    fd, log_name = tempfile.mkstemp(prefix=f"up-{args.port}-", suffix=".log", dir=runs_dir())
+    ready = Path(log_name).with_suffix(".ready")
+    argv = [a for a in sys.argv[1:] if a != "--detach"] if sys.argv[1:2] == ["up"] else None
+    if argv is None:
+        raise LaunchError("--detach works from the command line only")
+    child = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv, "--ready-file", str(ready)],
+                             stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    os.close(fd)
+    deadline = time.monotonic() + args.startup_timeout + 60
+    while not ready.exists():
+        if child.poll() is not None or time.monotonic() > deadline:
+            if child.poll() is None:
+                child.terminate()
+                child.wait(60)
+            lines = [line for line in Path(log_name).read_text().splitlines() if line.startswith("pdserve: error")]
+            Path(log_name).unlink(missing_ok=True)
+            raise LaunchError(lines[-1].removeprefix("pdserve: error: ") if lines else "supervisor did not start")
+        time.sleep(0.5)
+    endpoint = ready.read_text().strip()
+    ready.unlink()
+    print(f"OpenAI endpoint: {endpoint}/v1\nsupervisor pid {child.pid} (log {log_name}); stop with: kill {child.pid}")
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from pdserve.launch.demo import client_session
+
+    options = options_from(args)
+    cluster = None
+    try:
+        cluster = started(options)
+        print(f"OpenAI endpoint: {cluster.endpoint}/v1", flush=True)
+        client_session(cluster.endpoint, args.requests)
+        return 0
+    except (KeyboardInterrupt, _Terminated):
+        return 130
+    finally:
+        if cluster is not None:
+            cluster.stop()
+            print("pdserve: stopped cleanly", flush=True)

@@ -1,0 +1,142 @@
+"""The lifecycle of one launch: start its processes, wait until healthy, stop them all.
+
+    cluster = Cluster(deployment); cluster.start(); cluster.wait_healthy(600)
+    ... cluster.endpoint, cluster.instance_urls ...
+    cluster.stop()            # also on any failure of start/wait_healthy, and in __exit__
+
+Every child runs in its own session; stop() signals each process group (SIGTERM, deadline,
+SIGKILL) and removes the run directory (logs, ipc sockets, temp files), so nothing is left.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.errors import LaunchError
+from pdserve.launch.env import runs_dir
+from pdserve.launch.modes import Deployment
+from pdserve.launch.ports import require_free
+from pdserve.launch.process import ManagedProcess
+
+STOP_TIMEOUT = 30.0
+_ERROR_LINE = re.compile(r"error|exception|killed|cannot|failed", re.IGNORECASE)
+
+
+class Cluster:
+    """A running deployment: its instances (and router), health, endpoint, and clean stop."""
+
+    def __init__(self, deployment: Deployment, log_dir: Path | None = None) -> None:
+        self.deployment = deployment
+        self.log_dir = log_dir
+        self.run_dir: Path | None = None
+        self.instances: list[ManagedProcess] = []
+        self.router: ManagedProcess | None = None
+        self.failure_log: list[str] = []
+        self._state = "new"  # new -> starting -> healthy -> stopped
+
+    @property
+    def endpoint(self) -> str:
+        """Base URL clients use (OpenAI API under /v1)."""
+        return self.deployment.endpoint
+
+    @property
+    def instance_urls(self) -> dict[str, str]:
+        """Each vLLM instance's own base URL, by instance name (for /metrics and direct requests)."""
+        return {spec.name: spec.url for spec in self.deployment.instances}
+
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        return [*self.instances, *([self.router] if self.router else [])]
+
+    def start(self) -> None:
+        """Check ports, create the run dir and start the instances (and a router that does not wait)."""
+        self._expect("new")
+        self._state = "starting"
+        try:
+            require_free(self.deployment.ports)
+            runs_dir().mkdir(parents=True, exist_ok=True)
+            self.run_dir = Path(tempfile.mkdtemp(prefix=f"{self.deployment.instances[0].port}-", dir=runs_dir()))
+            for spec in self.deployment.instances:
+                process = ManagedProcess(spec.process_spec(self.run_dir))
+                self.instances.append(process)
+                process.start()
+            router = self.deployment.router
+            if router and not router.start_after_instances:
+                self._start_router()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Block until every process answers its health check; on death or deadline stop all and raise."""
+        self._expect("starting")
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self._check_alive()
+                pending = [p for p in self.processes if not p.healthy()]
+                if not pending and self.router is None and self.deployment.router is not None:
+                    self._start_router()
+                    continue
+                if not pending:
+                    self._state = "healthy"
+                    return
+                if time.monotonic() > deadline:
+                    names = ", ".join(p.name for p in pending)
+                    raise LaunchError(f"{names} not healthy after {timeout:.0f} s ({self._last_error(pending[0])})")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop every process (router first) and remove the run dir. Idempotent."""
+        if self._state == "stopped":
+            return
+        self._state = "stopped"
+        deadline = time.monotonic() + timeout
+        for process in reversed(self.processes):
+            process.signal_group(signal.SIGTERM)  # SIGTERM all at once, then wait for each
+        for process in reversed(self.processes):
+            process.stop(deadline)
+        if self.run_dir is not None:
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                for log in self.run_dir.glob("*.log"):
+                    shutil.copy(log, self.log_dir / log.name)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> Cluster:
+        if self._state == "new":
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _start_router(self) -> None:
+        assert self.deployment.router is not None and self.run_dir is not None
+        self.router = ManagedProcess(self.deployment.router.process_spec(self.run_dir))
+        self.router.start()
+
+    def _check_alive(self) -> None:
+        for process in self.processes:
+            code = process.exit_code()
+            if code is not None:
+                raise LaunchError(f"{process.name} exited with code {code} during start: {self._last_error(process)}")
+
+    def _last_error(self, process: ManagedProcess) -> str:
+        tail = process.log_tail(40)
+        self.failure_log = [f"--- {process.name} log tail", *tail]  # the run dir (and log) is about to go
+        errors = [line for line in tail if _ERROR_LINE.search(line)]
+        line = (errors or tail or ["no output"])[-1].strip()
+        return line[-300:]
+
+    def _expect(self, state: str) -> None:
+        if self._state != state:
+            raise LaunchError(f"cluster is {self._state}, expected {state}")

@@ -1,0 +1,63 @@
+"""The demo's client session: streaming completions, each request's TTFT and mean inter-token latency."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import requests
+
+from pdserve.model.corpus_gen import generate
+
+MAX_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    prompt_chars: int
+    num_tokens: int
+    ttft_s: float
+    mean_itl_s: float
+
+
+def model_id(endpoint: str) -> str:
+    response = requests.get(f"{endpoint}/v1/models", timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def stream_completion(endpoint: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> RequestTiming:
+    """One streaming request; token times are the arrival times of SSE chunks with text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    with requests.post(f"{endpoint}/v1/completions", json=body, stream=True, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines(chunk_size=None):
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            if json.loads(line[6:])["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return RequestTiming(len(prompt), len(arrivals), arrivals[0] - start if arrivals else float("nan"),
+                         statistics.fmean(gaps) if gaps else float("nan"))
+
+
+def demo_prompts(count: int) -> list[str]:
+    """Prompts of growing length cut from the corpus generator (distinct, so no prefix-cache hits)."""
+    text = generate(seed=7, kib=64)["prose.txt"]
+    return [text[i * 997: i * 997 + 200 + 400 * i] for i in range(count)]
+
+
+def client_session(endpoint: str, num_requests: int) -> list[RequestTiming]:
+    model = model_id(endpoint)
+    timings = []
+    for i, prompt in enumerate(demo_prompts(num_requests)):
+        t = stream_completion(endpoint, model, prompt)
+        timings.append(t)
+        print(f"request {i + 1}: prompt {t.prompt_chars:5d} chars, {t.num_tokens} tokens, "
+              f"TTFT {t.ttft_s * 1e3:7.1f} ms, mean ITL {t.mean_itl_s * 1e3:6.1f} ms", flush=True)
+    return timings

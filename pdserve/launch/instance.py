@@ -1,0 +1,48 @@
+"""One vLLM server of a launch: what to run (InstanceSpec) and how it becomes a process."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.launch.env import vllm_env
+from pdserve.launch.process import ProcessSpec
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """A `vllm serve` process.
+
+    role: "both" (plain vLLM), "prefill" or "decode" - informative; a mode puts the role's
+    connector flags in extra_args/extra_env. cores: CPUs to pin the process and vLLM's OpenMP
+    threads to (taskset + VLLM_CPU_OMP_THREADS_BIND).
+    """
+
+    name: str
+    role: str
+    port: int
+    model: str
+    cores: tuple[int, ...]
+    vllm_args: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def process_spec(self, run_dir: Path) -> ProcessSpec:
+        """The command line and environment, with scratch files under run_dir/<name>/."""
+        cpu_list = ",".join(map(str, self.cores))
+        argv = ("taskset", "-c", cpu_list, sys.executable, "-m", "pdserve.vllm_cli", "serve", self.model,
+                "--host", HOST, "--port", str(self.port), *self.vllm_args, *self.extra_args)
+        env = {
+            **vllm_env(run_dir / self.name),
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_list,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            **self.extra_env,
+        }
+        return ProcessSpec(self.name, argv, env, run_dir / f"{self.name}.log", f"{self.url}/health")

@@ -1,0 +1,98 @@
+"""Deployment modes: a registry from mode name to a planning function.
+
+A mode is one function `plan(options) -> Deployment` decorated with `@register("name")`; it
+decides the instances (ports, cores, extra vLLM args/env) and the router. Modules outside this
+file register the same way; import them in `_load_plugins` so `pdserve up --mode` sees them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.errors import ConfigError
+from pdserve.launch.instance import InstanceSpec
+from pdserve.launch.options import UpOptions
+from pdserve.launch.router import RouterSpec
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a launch runs. The client endpoint is the router when there is one, else the only instance."""
+
+    instances: tuple[InstanceSpec, ...]
+    router: RouterSpec | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.router.url if self.router else self.instances[0].url
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        ports = [i.port for i in self.instances]
+        if self.router:
+            ports += [self.router.port, self.router.prometheus_port]
+        return tuple(ports)
+
+
+Planner = Callable[[UpOptions], Deployment]
+MODES: dict[str, Planner] = {}
+PLUGIN_MODULES = ("pdserve.connector.modes",)  # optional modules that register PD modes
+
+
+def register(name: str) -> Callable[[Planner], Planner]:
+    def add(planner: Planner) -> Planner:
+        MODES[name] = planner
+        return planner
+    return add
+
+
+def _load_plugins() -> None:
+    for module in PLUGIN_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+
+
+def known_modes() -> list[str]:
+    _load_plugins()
+    return sorted(MODES)
+
+
+def plan(options: UpOptions) -> Deployment:
+    _load_plugins()
+    try:
+        planner = MODES[options.mode]
+    except KeyError:
+        raise ConfigError(f"unknown mode {options.mode!r} (known: {', '.join(sorted(MODES))})") from None
+    deployment = planner(options)
+    if len(set(deployment.ports)) != len(deployment.ports):
+        raise ConfigError(f"mode {options.mode!r} planned one port twice: {deployment.ports}")
+    return deployment
+
+
+def plain_instance(options: UpOptions, name: str, port: int, cores: tuple[int, ...], role: str = "both") -> InstanceSpec:
+    """A vLLM instance with the launch's shared flags; modes add their own via dataclasses.replace."""
+    return InstanceSpec(name=name, role=role, port=port, model=options.model, cores=cores,
+                        vllm_args=options.vllm_args())
+
+
+@register("collocated")
+def collocated(options: UpOptions) -> Deployment:
+    """One vLLM instance on all cores, serving the client directly."""
+    return Deployment((plain_instance(options, "vllm", options.port, options.cores),))
+
+
+@register("round-robin")
+def round_robin(options: UpOptions) -> Deployment:
+    """Two plain vLLM instances, one per core, behind vllm-router's round_robin policy."""
+    if len(options.cores) < 2:
+        raise ConfigError("round-robin needs two cores")
+    instances = tuple(plain_instance(options, f"vllm{i}", options.port + 1 + i, (core,))
+                      for i, core in enumerate(options.cores[:2]))
+    router = RouterSpec(port=options.port, prometheus_port=options.port + 3, policy="round_robin",
+                        worker_urls=tuple(i.url for i in instances))
+    return Deployment(instances, router)

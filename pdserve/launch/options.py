@@ -1,0 +1,68 @@
+"""`pdserve up` options, parsed once into a frozen dataclass."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.errors import ConfigError
+
+GIB = 1 << 30
+DEFAULT_PORT = 18000
+
+
+def all_cores() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """Everything a mode needs to plan a deployment.
+
+    `port` is the client-facing port (router, or the single instance); instances take the ports
+    after it. `model` is a directory or a built-in size (tiny|small), resolved by launch.up().
+    """
+
+    mode: str = "collocated"
+    model: str = "tiny"
+    port: int = DEFAULT_PORT
+    kv_cache_bytes: int = GIB
+    max_model_len: int = 4096
+    prefix_caching: bool = True
+    enforce_eager: bool = False
+    extra_vllm_args: tuple[str, ...] = ()
+    cores: tuple[int, ...] = field(default_factory=all_cores)
+    startup_timeout: float = 600.0
+    log_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535 - 8:
+            raise ConfigError(f"port {self.port} out of range")
+        if self.kv_cache_bytes < 16 << 20:
+            raise ConfigError(f"KV cache of {self.kv_cache_bytes} bytes is too small (at least 16 MiB)")
+        if not self.cores:
+            raise ConfigError("no CPU cores to run on")
+
+    def vllm_args(self) -> tuple[str, ...]:
+        """Flags every vLLM instance of a launch shares."""
+        args = ["--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
+                "--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--disable-log-stats",
+                "--uvicorn-log-level", "warning"]
+        args.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        return (*args, *self.extra_vllm_args)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1GiB', '512M', '1073741824' -> bytes (binary units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 1GiB, 512MiB)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * (1 << (10 * " kmgt".index(unit or " "))))
