@@ -4,6 +4,7 @@
     <dir>/raw/<config>/r<rate>_s<seed>.json   vllm bench serve --save-detailed output, untouched
     <dir>/logs/<config>/...              bench client and deployment logs
     <dir>/tune.json                      chunk-size tuning of the `chunked` config
+    <dir>/notes.json                     setup notes the report repeats (tuning, workarounds)
     <dir>/report.md, summary.json, plots/*.png
 
 A point counts as done when its raw file exists and reads back; a half-written file is never
@@ -31,6 +32,10 @@ class ResultsDir:
     @property
     def tune_path(self) -> Path:
         return self.root / "tune.json"
+
+    @property
+    def notes_path(self) -> Path:
+        return self.root / "notes.json"
 
     @property
     def report_path(self) -> Path:

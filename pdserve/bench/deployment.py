@@ -1,0 +1,97 @@
+"""How the bench brings a configuration up and down: the one place that talks to the launcher.
+
+A configuration name maps to a launcher mode plus extra vLLM arguments (``chunked`` is
+round-robin with a small --max-num-batched-tokens). Every configuration runs with prefix caching
+off (and every point has its own prompts), so no point benefits from another's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from pdserve.errors import ConfigError, LaunchError
+
+@dataclass(frozen=True)
+class DeploymentRequest:
+    """One configuration to bring up for a run of points."""
+
+    config: str
+    model_dir: Path
+    log_dir: Path
+    extra_vllm_args: tuple[str, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        return "round-robin" if self.config == "chunked" else self.config
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str  # http://127.0.0.1:PORT of the router (or the single instance)
+    model_name: str  # the served model id
+
+
+class Deployer(Protocol):
+    """Brings configurations up one at a time; ``up`` stops everything on exit, also on Ctrl-C."""
+
+    def unavailable(self, config: str) -> str | None:
+        """Why ``config`` cannot be deployed (None if it can); checked before anything starts."""
+
+    def up(self, request: DeploymentRequest) -> contextlib.AbstractContextManager[Endpoint]: ...
+
+
+def served_model(base_url: str, timeout_s: float = 10.0) -> str:
+    """The first model id that ``GET /v1/models`` lists."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=timeout_s) as resp:
+            return json.load(resp)["data"][0]["id"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:
+        raise LaunchError(f"{base_url}/v1/models did not name a model: {exc}") from exc
+
+
+BENCH_PORT = 38000  # client-facing port; instances and router take the next few
+
+
+class LauncherDeployer:
+    """The real deployer: `pdserve.launch` modes, brought up from code on ports 38000-38009."""
+
+    def __init__(self, port: int = BENCH_PORT, startup_timeout_s: float = 600.0) -> None:
+        self.port = port
+        self.startup_timeout_s = startup_timeout_s
+
+    def unavailable(self, config: str) -> str | None:
+        from pdserve.launch import known_modes
+        import pdserve.launch.nixl_mode  # noqa: F401  registers the `nixl` mode
+
+        mode = DeploymentRequest(config, Path("."), Path(".")).mode
+        modes = known_modes()
+        if mode not in modes:
+            return f"launcher mode {mode!r} is not available (available: {', '.join(modes)})"
+        return None
+
+    @contextlib.contextmanager
+    def up(self, request: DeploymentRequest) -> Iterator[Endpoint]:
+        from pdserve import launch
+
+        options = launch.UpOptions(mode=request.mode, model=str(request.model_dir), port=self.port,
+                                   prefix_caching=False, extra_vllm_args=request.extra_vllm_args,
+                                   log_dir=request.log_dir, startup_timeout=self.startup_timeout_s)
+        cluster = launch.up(options)
+        try:
+            cluster.wait_healthy(self.startup_timeout_s)
+            yield Endpoint(cluster.endpoint, served_model(cluster.endpoint))
+        finally:
+            cluster.stop()
+
+
+def check_available(deployer: Deployer, configs: tuple[str, ...]) -> None:
+    """Raise ConfigError naming every requested configuration that cannot run: none is skipped."""
+    problems = [f"{c}: {why}" for c in configs if (why := deployer.unavailable(c))]
+    if problems:
+        raise ConfigError("requested configurations are not available: " + "; ".join(problems))

@@ -1,0 +1,115 @@
+import contextlib
+import json
+
+import pytest
+
+from pdserve.bench.deployment import Endpoint, check_available
+from pdserve.bench.progress import Progress
+from pdserve.bench.results import ResultsDir
+from pdserve.bench.runner import Runner
+from pdserve.errors import ConfigError
+
+from tests.unit.bench import synthetic
+
+
+class FakeDeployer:
+    def __init__(self, missing=()):
+        self.missing = set(missing)
+        self.log = []
+
+    def unavailable(self, config):
+        return "not registered" if config in self.missing else None
+
+    @contextlib.contextmanager
+    def up(self, request):
+        self.log.append(("up", request.config, request.extra_vllm_args))
+        try:
+            yield Endpoint("http://127.0.0.1:1", "m")
+        finally:
+            self.log.append(("down", request.config))
+
+
+class FakeBench:
+    """Writes a synthetic result whose attainment depends on the budget (for tuning) or rate."""
+
+    def __init__(self, interrupt_at=None):
+        self.commands = []
+        self.interrupt_at = interrupt_at
+
+    def __call__(self, command, log_path, tick):
+        if self.interrupt_at is not None and len(self.commands) == self.interrupt_at:
+            raise KeyboardInterrupt
+        self.commands.append(command)
+        tick(0.5)
+        synthetic.write(command.result_path, synthetic.point_data(met_n=10, ttft_n=0))
+
+
+def make(tmp_path, plan, deployer, bench):
+    results = ResultsDir(tmp_path / "run")
+    results.open_plan(plan)
+    progress = Progress(100.0, len(plan.points()), stream=open(tmp_path / "progress.txt", "w"))
+    return Runner(plan, results, deployer, tmp_path, bench=bench, warm=lambda e, p: None), progress
+
+
+def test_runs_every_point_once_per_deployment_and_reports(tmp_path):
+    plan = synthetic.plan()
+    deployer, bench = FakeDeployer(), FakeBench()
+    runner, progress = make(tmp_path, plan, deployer, bench)
+    report = runner.run(progress)
+    assert [e[:2] for e in deployer.log] == [("up", "collocated"), ("down", "collocated"),
+                                              ("up", "round-robin"), ("down", "round-robin")]
+    assert len(bench.commands) == 12
+    seeds = {(c.rate, c.seed) for c in bench.commands}
+    assert len(seeds) == 6  # bench seeds repeat across configs, not within one
+    assert "Incomplete" not in report.read_text()
+    assert (tmp_path / "run" / "plots" / "attainment_blog.png").exists()
+    assert "12/12 points" in (tmp_path / "progress.txt").read_text()
+
+
+def test_interrupt_stops_the_deployment_and_resume_runs_only_missing_points(tmp_path):
+    plan = synthetic.plan()
+    deployer = FakeDeployer()
+    runner, progress = make(tmp_path, plan, deployer, FakeBench(interrupt_at=8))
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(progress)
+    assert deployer.log[-1] == ("down", "round-robin")
+    bench = FakeBench()
+    runner, progress = make(tmp_path, plan, FakeDeployer(), bench)
+    runner.run(progress)
+    assert len(bench.commands) == 4  # 12 points - 8 done
+    assert {c.result_path.parent.name for c in bench.commands} == {"round-robin"}
+    # a third run has nothing to do and starts no deployment
+    deployer = FakeDeployer()
+    runner, progress = make(tmp_path, plan, deployer, FakeBench())
+    runner.run(progress)
+    assert deployer.log == []
+
+
+def test_unavailable_configuration_is_an_error_before_anything_starts(tmp_path):
+    plan = synthetic.plan(configs=("collocated", "write", "read"))
+    deployer = FakeDeployer(missing=("write", "read"))
+    runner, progress = make(tmp_path, plan, deployer, FakeBench())
+    with pytest.raises(ConfigError, match="write: not registered; read: not registered"):
+        runner.run(progress)
+    assert deployer.log == []
+    check_available(FakeDeployer(), plan.configs)
+
+
+def test_chunked_is_tuned_once_and_uses_the_chosen_budget(tmp_path):
+    plan = synthetic.plan(configs=("chunked",), chunk_candidates=(128, 256))
+    deployer = FakeDeployer()
+
+    def bench(command, log_path, tick):
+        # budget 128: small gaps; 256: big gaps -> 128 wins (both keep TTFT)
+        budget = command.seed - 900_000
+        data = synthetic.point_data(met_n=10, ttft_n=0) if budget != 256 else synthetic.point_data(met_n=0, ttft_n=0, stalled_n=10)
+        synthetic.write(command.result_path, data)
+
+    runner, progress = make(tmp_path, plan, deployer, bench)
+    runner.run(progress)
+    ups = [e for e in deployer.log if e[0] == "up"]
+    assert [u[2] for u in ups] == [("--max-num-batched-tokens", "128"), ("--max-num-batched-tokens", "256"),
+                                   ("--max-num-batched-tokens", "128")]
+    tuned = json.loads((tmp_path / "run" / "tune.json").read_text())
+    assert tuned["chosen"] == 128 and len(tuned["trials"]) == 2
+    assert "--max-num-batched-tokens 128, tuned over [128, 256]" in (tmp_path / "run" / "report.md").read_text()
