@@ -57,15 +57,14 @@ class HandshakeRequest:
 class HandshakeReply:
     """Handshake server -> peer: my fingerprint and how to reach my KV regions.
 
-    `regions` are RegionDescriptor.to_wire() dicts; `block_bytes[i]` is the size of one block in
-    `regions[i]`; `num_blocks` is the number of KV blocks per region.
+    `regions` are RegionDescriptor.to_wire() dicts; `layers[i]` places attention layer i:
+    `[region_id, byte offset of block 0, bytes per block, number of blocks]`.
     """
 
     engine_id: str
     fingerprint: dict
     regions: list[dict]
-    block_bytes: list[int]
-    num_blocks: int
+    layers: list[list[int]]
 
 
 @message("handshake_refused")

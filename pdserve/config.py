@@ -1,0 +1,142 @@
+"""`kv_connector_extra_config` parsed once into a frozen `ConnectorConfig`.
+
+Key names follow vLLM's MoRIIO connector where they mean the same (`handshake_port`,
+`notify_port`, `read_mode`, `host_ip`, `proxy_ip`, `proxy_ping_port`, `http_port`,
+`transfer_timeout`, `defer_timeout`), so a MoRIIO user switches by changing the connector name.
+Environment variables are read here and nowhere else in the connector.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Mapping
+
+from pdserve.errors import ConfigError
+
+SECRET_FILE_ENV = "PDSERVE_SECRET_FILE"
+
+
+class TransferMode(Enum):
+    WRITE = "WRITE"  # prefill pushes each layer into decode's blocks
+    READ = "READ"  # decode pulls the blocks after prefill finished
+
+
+class Role(Enum):
+    PRODUCER = "P"
+    CONSUMER = "D"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    role: Role
+    mode: TransferMode
+    host_ip: str
+    handshake_port: int
+    notify_port: int
+    http_port: int | None
+    proxy_ip: str | None
+    proxy_ping_port: int | None
+    secret_file: str
+    transport: str
+    handshake_timeout: float  # seconds to get a peer's handshake reply
+    transfer_timeout: float  # D: seconds from block announcement/read start to KV landed
+    defer_timeout: float  # P: seconds it holds blocks waiting for D (announce or release)
+    release_grace: float  # D: seconds it waits for P to confirm no more writes after giving up
+    heartbeat_interval: float
+    test_corrupt_transfers: bool  # test-only: flip bytes after every copy
+
+    @property
+    def engine_id(self) -> str:
+        return f"{self.host_ip}:{self.handshake_port}"
+
+    @property
+    def zmq_address(self) -> str:
+        return f"host:{self.host_ip},handshake:{self.handshake_port},notify:{self.notify_port}"
+
+
+_KNOWN_KEYS = {
+    "handshake_port", "notify_port", "read_mode", "host_ip", "proxy_ip", "proxy_ping_port",
+    "http_port", "transfer_timeout", "defer_timeout", "handshake_timeout", "release_grace",
+    "heartbeat_interval", "transport", "secret_file", "test_corrupt_transfers",
+}
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, str)) and str(value).lower() in ("1", "true", "yes", "0", "false", "no"):
+        return str(value).lower() in ("1", "true", "yes")
+    raise ConfigError(f"kv_connector_extra_config.{key} must be a boolean, got {value!r}")
+
+
+def _port(key: str, value: Any) -> int:
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a port number, got {value!r}") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be in 1..65535, got {port}")
+    return port
+
+
+def _seconds(key: str, value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a number of seconds, got {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be positive and finite, got {seconds}")
+    return seconds
+
+
+def parse_connector_config(
+    kv_role: str, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> ConnectorConfig:
+    """Build the config from vLLM's `kv_role` and `kv_connector_extra_config`."""
+    extra = dict(extra or {})
+    env = os.environ if env is None else env
+    unknown = sorted(set(extra) - _KNOWN_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config keys: {', '.join(unknown)}")
+    if kv_role == "kv_producer":
+        role = Role.PRODUCER
+    elif kv_role == "kv_consumer":
+        role = Role.CONSUMER
+    else:
+        raise ConfigError(f"PDConnector needs kv_role kv_producer or kv_consumer, got {kv_role!r}")
+    secret_file = extra.get("secret_file") or env.get(SECRET_FILE_ENV)
+    if not secret_file:
+        raise ConfigError(
+            "PDConnector needs a shared secret for its control plane: set "
+            f"kv_connector_extra_config.secret_file or {SECRET_FILE_ENV}"
+        )
+    transport = str(extra.get("transport", "shm"))
+    if transport != "shm":
+        raise ConfigError(f"unknown transport {transport!r} (available: shm)")
+    proxy_ip = extra.get("proxy_ip") or None
+    proxy_port = extra.get("proxy_ping_port")
+    if bool(proxy_ip) != bool(proxy_port):
+        raise ConfigError("proxy_ip and proxy_ping_port must be given together")
+    http_port = extra.get("http_port")
+    if proxy_ip and not http_port:
+        raise ConfigError("http_port is required when registering with a router (proxy_ip)")
+    return ConnectorConfig(
+        role=role,
+        mode=TransferMode.READ if _bool("read_mode", extra.get("read_mode", False)) else TransferMode.WRITE,
+        host_ip=str(extra.get("host_ip", "127.0.0.1")),
+        handshake_port=_port("handshake_port", extra.get("handshake_port", 6301)),
+        notify_port=_port("notify_port", extra.get("notify_port", 6401)),
+        http_port=_port("http_port", http_port) if http_port else None,
+        proxy_ip=str(proxy_ip) if proxy_ip else None,
+        proxy_ping_port=_port("proxy_ping_port", proxy_port) if proxy_port else None,
+        secret_file=str(secret_file),
+        transport=transport,
+        handshake_timeout=_seconds("handshake_timeout", extra.get("handshake_timeout", 10.0)),
+        transfer_timeout=_seconds("transfer_timeout", extra.get("transfer_timeout", 30.0)),
+        defer_timeout=_seconds("defer_timeout", extra.get("defer_timeout", 60.0)),
+        release_grace=_seconds("release_grace", extra.get("release_grace", 2.0)),
+        heartbeat_interval=_seconds("heartbeat_interval", extra.get("heartbeat_interval", 1.0)),
+        test_corrupt_transfers=_bool("test_corrupt_transfers", extra.get("test_corrupt_transfers", False)),
+    )

@@ -1,0 +1,127 @@
+"""PDConnector: vLLM's KV connector facade; the scheduler and worker halves do the work.
+
+Load it out of tree with
+    --kv-transfer-config '{"kv_connector": "PDConnector",
+                           "kv_connector_module_path": "pdserve.connector",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_connector_extra_config": {...}}'
+or by its bare name once pdserve is installed (vLLM plugin entry point `pdserve`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from pdserve.config import parse_connector_config
+from pdserve.connector.metadata import PDConnectorMetadata
+from pdserve.connector.registration import RouterRegistration
+from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
+from pdserve.connector.worker import PDWorker
+
+
+def _model_fingerprint(vllm_config) -> dict:
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_config.to_json_string(use_diff=False)
+    return {
+        "model_config": hashlib.sha256(hf_config.encode()).hexdigest()[:16],
+        "dtype": str(model_config.dtype),
+        "block_size": vllm_config.cache_config.block_size,
+        "vllm": vllm.__version__,
+    }
+
+
+class PDConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        self._config = parse_connector_config(transfer_config.kv_role, transfer_config.kv_connector_extra_config)
+        self._scheduler: PDScheduler | None = None
+        self._worker: PDWorker | None = None
+        self._registration: RouterRegistration | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size)
+            if self._config.proxy_ip:
+                self._registration = RouterRegistration(self._config)
+        else:
+            self._worker = PDWorker(self._config, _model_fingerprint(vllm_config))
+
+    # ---- scheduler side --------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, PDConnectorMetadata)
+        self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        pass  # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS until they land
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # ditto: no forward pass ever reads KV that is still in flight
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished = self._worker.take_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished.sending, finished.recving, finished.failed_recving)
+
+    def get_kv_connector_stats(self):
+        data = self._worker.take_stats() if self._worker is not None else None
+        return PDConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return PDConnectorStats(data=data) if data is not None else PDConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._registration is not None:
+            self._registration.stop()
+        if self._worker is not None:
+            self._worker.shutdown()

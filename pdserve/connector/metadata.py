@@ -1,0 +1,62 @@
+"""What the scheduler half tells the worker half each step (pickled by vLLM's executor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from pdserve.config import TransferMode
+from pdserve.control.address import PeerAddress
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """P, WRITE: this step computes the request's last prompt chunk; push each layer's blocks."""
+
+    request_id: str
+    transfer_id: str
+    peer: PeerAddress
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HoldSpec:
+    """P, READ: the request finished; its blocks stay until D releases them or `expires_at`."""
+
+    request_id: str
+    transfer_id: str
+    expires_at: float  # unix time
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """D: blocks were allocated for a remote prefill; get the KV into block_ids[first_block:]."""
+
+    request_id: str
+    transfer_id: str
+    mode: TransferMode
+    peer: PeerAddress | None
+    block_ids: tuple[int, ...]
+    first_block: int
+    remote_block_ids: tuple[int, ...] | None  # READ only
+    hold_expires_at: float | None  # READ only
+    error: str = ""  # the request's kv_transfer_params were malformed: fail it with this message
+
+
+@dataclass(frozen=True)
+class CancelSpec:
+    """Either side: this transfer will not happen; tell the peer so it frees what it holds."""
+
+    transfer_id: str
+    peer: PeerAddress
+    reason: str
+
+
+@dataclass
+class PDConnectorMetadata(KVConnectorMetadata):
+    sends: list[SendSpec] = field(default_factory=list)
+    holds: list[HoldSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+    cancels: list[CancelSpec] = field(default_factory=list)
+    idle: bool = False  # no tokens scheduled this step: the worker may wait briefly for progress

@@ -1,0 +1,197 @@
+"""The worker half of PDConnector: owns the KV memory, the control-plane servers and the transport.
+
+It runs in vLLM's worker process. At `register_kv_caches` it moves the KV cache into shared
+memory in place and starts two control-plane servers (handshake, notify) bound to the configured
+host. Each step it hands the scheduler's decisions and the forward pass's progress to the
+`TransferEngine`, and reports finished transfers back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+
+from pdserve.config import ConnectorConfig
+from pdserve.connector.engine import Finished, TransferEngine
+from pdserve.connector.layout import KvLayout, LayerPlacement, check_compatible, cpu_isa
+from pdserve.connector.metadata import PDConnectorMetadata
+from pdserve.connector.peers import HandshakeResult
+from pdserve.control.address import PeerAddress
+from pdserve.control.codec import Codec, Envelope
+from pdserve.control.endpoint import Client, Server
+from pdserve.control.messages import HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong
+from pdserve.control.secret import load_secret
+from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
+from pdserve.transport.base import RegionDescriptor
+from pdserve.transport.corrupt import CorruptingTransport
+from pdserve.transport.shared_segment import sweep_stale_segments
+from pdserve.transport.shm import ShmTransport
+from pdserve.transport.shm_tensor import move_tensors_to_shared_memory
+
+logger = logging.getLogger("pdserve.connector")
+
+IDLE_WAIT_S = 0.002  # an empty engine step waits this long for transfer progress
+
+
+class PDWorker:
+    def __init__(self, config: ConnectorConfig, model_fingerprint: dict):
+        self._config = config
+        self._token = secrets.token_hex(4)
+        self.identity = f"{config.engine_id}/{os.getpid()}-{self._token}"
+        self._codec = Codec(load_secret(config.secret_file), self.identity)
+        shm = ShmTransport()
+        self._transport = CorruptingTransport(shm) if config.test_corrupt_transfers else shm
+        self._client = Client(self._codec)
+        self._model_fingerprint = model_fingerprint
+        self._fingerprint: dict = {}
+        self._layer_index: dict[str, int] = {}
+        self._segments: list = []
+        self._servers: list[Server] = []
+        self._engine: TransferEngine | None = None
+        self._step_sends = False
+        self._idle = False
+
+    # ---- startup ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        removed = sweep_stale_segments()
+        if removed:
+            logger.info("pdserve: removed %d shared-memory segments left by dead instances", len(removed))
+        placements = move_tensors_to_shared_memory(kv_caches, self._token)
+        region_ids: dict[str, int] = {}
+        layers = []
+        for index, (name, tensor) in enumerate(kv_caches.items()):
+            if not tensor.is_contiguous():
+                raise PDServeError(f"KV cache of {name} is not contiguous; PDConnector needs block-contiguous KV")
+            placement = placements[name]
+            segment = placement.segment
+            if segment.name not in region_ids:
+                region_ids[segment.name] = len(region_ids)
+                self._transport.register_region(region_ids[segment.name], segment.address, segment.size, segment.name)
+                self._segments.append(segment)
+            block_bytes = tensor.stride(0) * tensor.element_size()
+            layers.append(LayerPlacement(region_ids[segment.name], placement.byte_offset, block_bytes, tensor.shape[0]))
+            self._layer_index[name] = index
+        first = next(iter(kv_caches.values()))
+        self._fingerprint = {
+            **self._model_fingerprint,
+            "kv_dtype": str(first.dtype),
+            "kv_block_shape": list(first.shape[1:]),
+            "kv_layers": hashlib.sha256("|".join(kv_caches).encode()).hexdigest()[:16],
+            "kv_regions": [layer.region_id for layer in layers],
+            "cpu_isa": cpu_isa(),
+        }
+        self._layout = KvLayout(tuple(layers))
+        self._engine = TransferEngine(self._config, self._layout, self._transport, self, self._handshake)
+        host = self._config.host_ip
+        self._servers = [
+            Server(host, self._config.handshake_port, self._codec, self._serve, "pdserve-handshake"),
+            Server(host, self._config.notify_port, self._codec, self._serve, "pdserve-notify"),
+        ]
+        logger.info(
+            "pdserve: %s %s ready: %d layers, %d blocks of %d bytes per layer in shared memory, fingerprint %s",
+            self._config.role.name, self.identity, len(layers), layers[0].num_blocks, layers[0].block_bytes,
+            self._fingerprint,
+        )
+
+    # ---- control plane (server threads) ----------------------------------------------------
+
+    def _serve(self, envelope: Envelope):
+        message = envelope.message
+        if isinstance(message, HandshakeRequest):
+            try:
+                check_compatible(self._fingerprint, message.fingerprint, envelope.sender)
+            except IncompatiblePeerError as exc:
+                logger.error("pdserve: refusing handshake: %s", exc)
+                return HandshakeRefused(str(exc))
+            return HandshakeReply(
+                self.identity, self._fingerprint,
+                [d.to_wire() for d in self._transport.local_descriptors()], self._layout.to_wire(),
+            )
+        if isinstance(message, Ping):
+            return Pong()
+        self._engine.on_message(envelope.sender, message)
+        return None
+
+    def _handshake(self, address: PeerAddress) -> HandshakeResult:
+        where = f"{address.host}:{address.handshake_port}"
+        try:
+            reply = self._client.request(
+                address.host, address.handshake_port, HandshakeRequest(self.identity, self._fingerprint),
+                self._config.handshake_timeout,
+            )
+            if isinstance(reply, HandshakeRefused):
+                raise IncompatiblePeerError(f"peer {where} refused the handshake: {reply.reason}")
+            if not isinstance(reply, HandshakeReply):
+                raise ProtocolError(f"peer {where} answered the handshake with {type(reply).__name__}")
+            check_compatible(self._fingerprint, reply.fingerprint, where)
+            layout = KvLayout.from_wire(reply.layers)
+            if len(layout.layers) != len(self._layout.layers):
+                raise IncompatiblePeerError(f"peer {where} has {len(layout.layers)} KV layers, we have {len(self._layout.layers)}")
+            regions = tuple(RegionDescriptor.from_wire(r) for r in reply.regions)
+        except PDServeError as exc:
+            return HandshakeResult(address, error=str(exc))
+        return HandshakeResult(address, reply.engine_id, regions, layout)
+
+    def notify(self, address: PeerAddress, message) -> None:
+        try:
+            self._client.send(address.host, address.notify_port, message)
+        except PDServeError as exc:
+            logger.error("pdserve: cannot notify %s:%d: %s", address.host, address.notify_port, exc)
+
+    # ---- vLLM hooks (worker thread) ------------------------------------------------------
+
+    def bind(self, meta: PDConnectorMetadata) -> None:
+        engine = self._engine
+        engine.begin_step()
+        for spec in meta.cancels:
+            engine.cancel(spec)
+        for spec in meta.holds:
+            engine.add_hold(spec)
+        for spec in meta.recvs:
+            engine.add_recv(spec)
+        for spec in meta.sends:
+            engine.add_send(spec)
+        self._step_sends = bool(meta.sends)
+        self._idle = meta.idle
+        engine.pump()
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self._step_sends:
+            self._engine.pump()
+            self._engine.layer_ready(self._layer_index[layer_name])
+
+    def wait_for_save(self) -> None:
+        if self._step_sends:
+            self._engine.all_layers_ready()
+            self._step_sends = False
+
+    def take_finished(self, finished_req_ids: set[str]) -> Finished:
+        if self._engine is None:
+            return Finished()
+        self._engine.pump(IDLE_WAIT_S if self._idle else 0.0)
+        return self._engine.take_finished(finished_req_ids)
+
+    def take_stats(self) -> dict | None:
+        if self._engine is None:
+            return None
+        stats = self._engine.stats
+        if not (stats.num_completed or stats.num_failed):
+            return None
+        self._engine.stats = type(stats)()
+        return {"num_completed": stats.num_completed, "num_failed": stats.num_failed,
+                "num_bytes": stats.num_bytes, "seconds": stats.seconds}
+
+    def shutdown(self) -> None:
+        for server in self._servers:
+            server.close()
+        self._servers = []
+        if self._engine is not None:
+            self._engine.close()
+        self._client.close()
+        self._transport.close()
+        for segment in self._segments:
+            segment.close()
+        self._segments = []
