@@ -59,6 +59,13 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
+def _stop(cluster: Cluster) -> None:
+    """Stop without being interrupted: a second Ctrl-C/SIGTERM must not leave half a cleanup."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cluster.stop()
+
+
 def started(options: UpOptions) -> Cluster:
     """Start and wait; SIGTERM during start or serve unwinds through the caller's `finally`."""
     from pdserve import launch
@@ -93,7 +100,7 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         if cluster is not None:
-            cluster.stop()
+            _stop(cluster)
             print("pdserve: stopped", file=sys.stderr, flush=True)
 
 
@@ -138,5 +145,5 @@ def run_demo(args: argparse.Namespace) -> int:
         return 130
     finally:
         if cluster is not None:
-            cluster.stop()
+            _stop(cluster)
             print("pdserve: stopped cleanly", flush=True)

@@ -100,10 +100,15 @@ class Cluster:
             return
         self._state = "stopped"
         deadline = time.monotonic() + timeout
-        for process in reversed(self.processes):
-            process.signal_group(signal.SIGTERM)  # SIGTERM all at once, then wait for each
-        for process in reversed(self.processes):
-            process.stop(deadline)
+        try:
+            for process in reversed(self.processes):
+                process.signal_group(signal.SIGTERM)  # SIGTERM all at once, then wait for each
+            for process in reversed(self.processes):
+                process.stop(deadline)
+        finally:
+            self._remove_run_dir()
+
+    def _remove_run_dir(self) -> None:
         if self.run_dir is not None:
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)

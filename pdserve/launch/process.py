@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -51,7 +52,7 @@ class ManagedProcess:
         try:
             self._popen = subprocess.Popen(
                 self.spec.argv, env={**os.environ, **self.spec.env}, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
             )
         except OSError as exc:
             raise LaunchError(f"cannot start {self.name} ({self.spec.argv[0]}): {exc}") from exc
@@ -112,6 +113,11 @@ class ManagedProcess:
             self._popen.wait(timeout=1)
         except subprocess.TimeoutExpired:
             pass
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launching thread dies (a safety net if pdserve is SIGKILLed)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def group_members(pgid: int) -> list[int]:

@@ -1,0 +1,60 @@
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pdserve.errors import ConfigError
+from pdserve.launch import Deployment, UpOptions, plain_instance, plan, register
+from pdserve.launch.modes import MODES
+from pdserve.launch.options import GIB, parse_bytes
+
+
+def test_collocated_is_one_instance_on_all_cores_with_shared_flags():
+    d = plan(UpOptions(mode="collocated", model="/m", port=18500, cores=(0, 1)))
+    (inst,) = d.instances
+    assert d.router is None and d.endpoint == "http://127.0.0.1:18500" and inst.cores == (0, 1)
+    spec = inst.process_spec(Path("/run"))
+    assert spec.argv[:3] == ("taskset", "-c", "0,1")
+    args = " ".join(spec.argv)
+    for flag in ("--dtype bfloat16", "--max-model-len 4096", f"--kv-cache-memory-bytes {GIB}",
+                 "--host 127.0.0.1", "--port 18500", "--enable-prefix-caching"):
+        assert flag in args
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and spec.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert spec.env["VLLM_RPC_BASE_PATH"] == "/run/vllm" and spec.env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_round_robin_pins_one_instance_per_core_behind_the_router():
+    d = plan(UpOptions(mode="round-robin", model="/m", port=18500, cores=(0, 1), prefix_caching=False,
+                       enforce_eager=True, extra_vllm_args=("--seed", "3")))
+    assert [(i.name, i.port, i.cores) for i in d.instances] == [("vllm0", 18501, (0,)), ("vllm1", 18502, (1,))]
+    assert d.endpoint == "http://127.0.0.1:18500" and d.router.policy == "round_robin"
+    assert d.router.worker_urls == ("http://127.0.0.1:18501", "http://127.0.0.1:18502")
+    args = d.instances[1].process_spec(Path("/r")).argv
+    assert args[:3] == ("taskset", "-c", "1")
+    assert {"--no-enable-prefix-caching", "--enforce-eager"} <= set(args) and args[-2:] == ("--seed", "3")
+    router_argv = d.router.process_spec(Path("/r")).argv
+    assert "--policy" in router_argv and "round_robin" in router_argv and "18503" in router_argv
+    with pytest.raises(ConfigError, match="two cores"):
+        plan(UpOptions(mode="round-robin", model="/m", cores=(0,)))
+
+
+def test_a_mode_is_one_registered_function():
+    @register("test-extra-env")
+    def extra(options):
+        base = plain_instance(options, "p", options.port, (0,), role="prefill")
+        return Deployment((replace(base, extra_args=("--kv-transfer-config", "{}"), extra_env={"X": "1"}),))
+
+    try:
+        d = plan(UpOptions(mode="test-extra-env", model="/m", port=18600))
+        spec = d.instances[0].process_spec(Path("/r"))
+        assert spec.argv[-2:] == ("--kv-transfer-config", "{}") and spec.env["X"] == "1"
+    finally:
+        del MODES["test-extra-env"]
+    with pytest.raises(ConfigError, match="unknown mode 'nope'"):
+        plan(UpOptions(mode="nope"))
+
+
+def test_parse_bytes():
+    assert parse_bytes("1GiB") == GIB and parse_bytes("512M") == 512 << 20 and parse_bytes("4096") == 4096
+    with pytest.raises(ConfigError):
+        parse_bytes("lots")
