@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from pdserve.bench.plan import KNOWN_CONFIGS, BenchPlan
-from pdserve.bench.presets import PRESETS, preset
+from pdserve.bench.presets import PRESETS, RATIONALE, preset
 from pdserve.bench.results import ResultsDir
 from pdserve.bench.slo import SLO
 from pdserve.errors import ConfigError
@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.bench.runner import Runner
     from pdserve.model.build import resolve_model
 
-    notes = []
+    base = preset(args.preset)
+    changed = [k for k, v in plan.to_json().items() if base.to_json()[k] != v]
+    notes = [RATIONALE[args.preset] + (f" Overridden here: {', '.join(changed)}." if changed else "")]
     if "nixl" in plan.configs:
         from pdserve.launch.nixl_mode import WORKAROUNDS_NOTE, ensure_nixl
 
