@@ -11,6 +11,7 @@ or by its bare name once pdserve is installed (vLLM plugin entry point `pdserve`
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any
 
 import vllm
@@ -29,6 +30,16 @@ from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
 from pdserve.connector.worker import PDWorker
 
 
+def _route_logs_to_vllm() -> None:
+    """pdserve's modules log to "pdserve.*"; in a vLLM process, print them like vLLM's own."""
+    ours, theirs = logging.getLogger("pdserve"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 def _model_fingerprint(vllm_config) -> dict:
     model_config = vllm_config.model_config
     hf_config = model_config.hf_config.to_json_string(use_diff=False)
@@ -43,6 +54,7 @@ def _model_fingerprint(vllm_config) -> dict:
 class PDConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _route_logs_to_vllm()
         transfer_config = vllm_config.kv_transfer_config
         self._config = parse_connector_config(transfer_config.kv_role, transfer_config.kv_connector_extra_config)
         self._scheduler: PDScheduler | None = None

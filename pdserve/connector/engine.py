@@ -215,6 +215,7 @@ class TransferEngine:
             if t.release_requested:
                 t.fail(t.error or "timed out waiting for the prefill's KV")
             elif message.ok:
+                t.num_bytes = (len(t.local_block_ids) - t.first_block) * sum(l.block_bytes for l in self._layout.layers)
                 t.succeed()
             else:
                 t.fail(f"prefill could not deliver the KV: {message.error}")

@@ -60,19 +60,21 @@ class PDWorker:
         if removed:
             logger.info("pdserve: removed %d shared-memory segments left by dead instances", len(removed))
         placements = move_tensors_to_shared_memory(kv_caches, self._token)
-        region_ids: dict[str, int] = {}
+        region_ids: dict[int, int] = {}
         layers = []
         for index, (name, tensor) in enumerate(kv_caches.items()):
             if not tensor.is_contiguous():
                 raise PDServeError(f"KV cache of {name} is not contiguous; PDConnector needs block-contiguous KV")
             placement = placements[name]
             segment = placement.segment
-            if segment.name not in region_ids:
-                region_ids[segment.name] = len(region_ids)
-                self._transport.register_region(region_ids[segment.name], segment.address, segment.size, segment.name)
+            if id(segment) not in region_ids:
+                region_ids[id(segment)] = len(region_ids)
+                # From here on the segment has no name: nothing can outlive this process.
+                self._transport.register_region(region_ids[id(segment)], segment.address, segment.size,
+                                                segment.unlink_name())
                 self._segments.append(segment)
             block_bytes = tensor.stride(0) * tensor.element_size()
-            layers.append(LayerPlacement(region_ids[segment.name], placement.byte_offset, block_bytes, tensor.shape[0]))
+            layers.append(LayerPlacement(region_ids[id(segment)], placement.byte_offset, block_bytes, tensor.shape[0]))
             self._layer_index[name] = index
         first = next(iter(kv_caches.values()))
         self._fingerprint = {

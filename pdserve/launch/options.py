@@ -48,7 +48,7 @@ class UpOptions:
     def vllm_args(self) -> tuple[str, ...]:
         """Flags every vLLM instance of a launch shares."""
         args = ["--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
-                "--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--disable-log-stats",
+                "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
                 "--uvicorn-log-level", "warning"]
         args.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
         if self.enforce_eager:

@@ -4,6 +4,10 @@ We own segments ourselves (os.open + ftruncate + mmap) instead of using
 multiprocessing.shared_memory, whose resource tracker unlinks segments behind our back when the
 creating process exits. Names carry the creator's pid (`pdserve-<pid>-<token>-<suffix>`) so that
 `sweep_stale_segments` can remove what a crashed process left behind.
+
+`unlink_name()` goes further: it keeps an open descriptor and removes the name at once, so the
+segment lives exactly as long as the owning process (even one killed with SIGKILL) and peers
+open it as `/proc/<owner pid>/fd/<fd>` (same user only, which is what we want).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ SHM_DIR = "/dev/shm"
 _PREFIX = "pdserve-"
 _NAME_PART = re.compile(r"^[A-Za-z0-9_.]+$")
 _OWNED_NAME = re.compile(r"^pdserve-(\d+)-")
+_PROC_FD = re.compile(r"^/proc/\d+/fd/\d+$")
 
 
 def segment_name(token: str, suffix: str) -> str:
@@ -44,6 +49,7 @@ class SharedSegment:
         self._anchor = ctypes.c_char.from_buffer(mm)  # pins the mapping while we hand out its address
         self.address = ctypes.addressof(self._anchor)
         self._closed = False
+        self._fd: int | None = None
 
     @classmethod
     def create(cls, name: str, size: int) -> SharedSegment:
@@ -90,6 +96,18 @@ class SharedSegment:
             os.close(fd)
         return cls(name, size, mm, owner=False)
 
+    def unlink_name(self) -> str:
+        """Owner only: remove the /dev/shm name now, keep the segment alive through an open
+        descriptor, and return the path peers attach with (`/proc/<pid>/fd/<fd>`)."""
+        if not self.owner or self._fd is not None:
+            raise TransferError(f"segment {self.name} has no name of ours to unlink")
+        path = _path(self.name)
+        self._fd = os.open(path, os.O_RDWR)
+        os.unlink(path)
+        self.owner = False
+        self.name = f"/proc/{os.getpid()}/fd/{self._fd}"
+        return self.name
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -108,6 +126,9 @@ class SharedSegment:
                 os.unlink(_path(self.name))
             except FileNotFoundError:
                 pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         del self._anchor
         try:
             self.mmap.close()
@@ -160,6 +181,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _path(name: str) -> str:
+    if _PROC_FD.match(name):
+        return name
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"bad shm segment name {name!r}")
     return os.path.join(SHM_DIR, name)

@@ -54,3 +54,21 @@ def test_sweep_removes_dead_pids_segment_but_not_a_live_ones():
         assert os.path.exists(os.path.join(SHM_DIR, live.name))
     finally:
         live.close()
+
+
+def test_unlinked_segment_is_reachable_through_proc_fd_and_leaves_no_name():
+    import multiprocessing as mp
+
+    seg = SharedSegment.create(segment_name("t", "procfd"), 4096)
+    original = os.path.join("/dev/shm", seg.name)
+    path = seg.unlink_name()
+    assert not os.path.exists(original)
+    assert path == f"/proc/{os.getpid()}/fd/{seg._fd}"
+    seg.mmap[:4] = b"abcd"
+    peer = SharedSegment.attach(path, 4096)
+    assert bytes(peer.mmap[:4]) == b"abcd"
+    peer.mmap[4:8] = b"efgh"
+    assert bytes(seg.mmap[4:8]) == b"efgh"
+    peer.close(unlink=False)
+    seg.close()
+    assert not any(n.startswith(f"pdserve-{os.getpid()}-t-procfd") for n in os.listdir("/dev/shm"))
