@@ -13,3 +13,9 @@ def tiny_model_dir() -> Path:
     from pdserve.model.build import resolve_model
 
     return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def greedy_reference() -> dict:
+    """Greedy generations by configuration name, shared across modules (collocated is the reference)."""
+    return {}
