@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 import vllm
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -52,6 +53,8 @@ def _model_fingerprint(vllm_config) -> dict:
 
 
 class PDConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P  # vLLM's prompt_tokens_cached_by_source{source="p2p"}
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _route_logs_to_vllm()

@@ -52,7 +52,9 @@ class TransferStats:
     num_completed: int = 0
     num_failed: int = 0
     num_bytes: int = 0
-    seconds: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # per transfer: announced/held -> done
+    copy_seconds: float = 0.0  # time the transport spent copying (sum over batches)
+    copy_bytes: int = 0  # bytes this side's transport copied
 
 
 class TransferEngine:
@@ -326,6 +328,8 @@ class TransferEngine:
         if track:
             self._transfers.pop(t.transfer_id, None)
             self._remember_terminal(t.transfer_id)
+        self.stats.copy_seconds += sum(h.seconds or 0.0 for h in t.handles)
+        self.stats.copy_bytes += sum(h.num_bytes for h in t.handles if h.status is TransferStatus.DONE)
         if t.state is TransferState.DONE:
             self.stats.num_completed += 1
             self.stats.num_bytes += t.num_bytes

@@ -8,7 +8,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_EMPTY = {"num_completed": 0, "num_failed": 0, "num_bytes": 0, "seconds": []}
+_EMPTY = {"num_completed": 0, "num_failed": 0, "num_bytes": 0, "seconds": [], "copy_seconds": 0.0, "copy_bytes": 0}
 
 
 @dataclass
@@ -21,7 +21,7 @@ class PDConnectorStats(KVConnectorStats):
         self.data = {k: (list(v) if isinstance(v, list) else v) for k, v in _EMPTY.items()}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key in ("num_completed", "num_failed", "num_bytes"):
+        for key in ("num_completed", "num_failed", "num_bytes", "copy_seconds", "copy_bytes"):
             self.data[key] += other.data.get(key, 0)
         self.data["seconds"] = self.data["seconds"] + list(other.data.get("seconds", []))
         return self
@@ -40,8 +40,11 @@ class PDConnectorStats(KVConnectorStats):
 
 
 class PDPromMetrics(KVConnectorPromMetrics):
-    """`pdserve:kv_transfers_completed_total`, `..._failed_total`, `pdserve:kv_transfer_bytes_total`,
-    `pdserve:kv_transfer_seconds_total` on each instance's /metrics."""
+    """On each instance's /metrics: `pdserve:kv_transfers_completed_total`, `..._failed_total`,
+    `pdserve:kv_transfer_bytes_total` (KV delivered by completed transfers),
+    `pdserve:kv_transfer_seconds_total` (announce/hold to completion, summed over transfers),
+    `pdserve:kv_copy_bytes_total` / `pdserve:kv_copy_seconds_total` (what this side's transport
+    copied and how long the copies took: their ratio is the data-path bandwidth)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -54,9 +57,13 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._failed = counter("pdserve:kv_transfers_failed", "KV transfers that failed or timed out.")
         self._bytes = counter("pdserve:kv_transfer_bytes", "Bytes of KV cache moved by pdserve.")
         self._seconds = counter("pdserve:kv_transfer_seconds", "Seconds spent in completed KV transfers.")
+        self._copy_bytes = counter("pdserve:kv_copy_bytes", "Bytes this instance's transport copied.")
+        self._copy_seconds = counter("pdserve:kv_copy_seconds", "Seconds this instance's transport spent copying.")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         self._completed[engine_idx].inc(transfer_stats_data.get("num_completed", 0))
         self._failed[engine_idx].inc(transfer_stats_data.get("num_failed", 0))
         self._bytes[engine_idx].inc(transfer_stats_data.get("num_bytes", 0))
         self._seconds[engine_idx].inc(sum(transfer_stats_data.get("seconds", [])))
+        self._copy_bytes[engine_idx].inc(transfer_stats_data.get("copy_bytes", 0))
+        self._copy_seconds[engine_idx].inc(transfer_stats_data.get("copy_seconds", 0.0))

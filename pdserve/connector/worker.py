@@ -184,7 +184,8 @@ class PDWorker:
             return None
         self._engine.stats = type(stats)()
         return {"num_completed": stats.num_completed, "num_failed": stats.num_failed,
-                "num_bytes": stats.num_bytes, "seconds": stats.seconds}
+                "num_bytes": stats.num_bytes, "seconds": stats.seconds,
+                "copy_seconds": stats.copy_seconds, "copy_bytes": stats.copy_bytes}
 
     def shutdown(self) -> None:
         for server in self._servers:
