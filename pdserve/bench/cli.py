@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=float, help="attainment a rate needs to count for goodput (default 0.9)")
     p.add_argument("--chunked-tokens", type=int, help="fixed --max-num-batched-tokens for `chunked` (no tuning)")
     p.add_argument("--chunk-candidates", help="comma list of budgets to tune `chunked` over")
-    p.add_argument("--out", type=Path, help="results directory (default benchmarks/<preset>)")
+    p.add_argument("--out", type=Path, help="results directory (default <project>/benchmarks/<preset>)")
     p.add_argument("--report-only", action="store_true", help="rewrite report and plots from existing results")
     p.set_defaults(func=run)
 
@@ -75,7 +75,9 @@ def build_plan(args: argparse.Namespace) -> BenchPlan:
 
 
 def run(args: argparse.Namespace) -> int:
-    results = ResultsDir(args.out or Path("benchmarks") / args.preset)
+    from pdserve.launch.env import project_root
+
+    results = ResultsDir(args.out or project_root() / "benchmarks" / args.preset)
     if args.report_only:
         from pdserve.bench.runner import publish
 

@@ -20,6 +20,7 @@ class Progress:
         self._num_done = 0
         self._started = time.monotonic()
         self._live = stream.isatty()
+        self._step = ""
 
     def event(self, text: str) -> None:
         """A step starts (deployment up, warm-up, a point): shown until the next event."""
@@ -52,7 +53,7 @@ class Progress:
         filled = int(round(fraction * self.width))
         bar = "#" * filled + "." * (self.width - filled)
         line = (f"[{bar}] {self._num_done}/{self.num_points} points | {_clock(elapsed)} elapsed, "
-                f"~{_clock(max(left, 0.0))} left | {getattr(self, '_step', '')}")
+                f"~{_clock(max(left, 0.0))} left | {self._step}")
         if self._live:
             self.stream.write("\r\x1b[K" + line)
         elif force_line:

@@ -24,6 +24,7 @@ from pdserve.bench.records import load_bench_run
 from pdserve.bench.report import write_report
 from pdserve.bench.results import ResultsDir
 from pdserve.bench.warmup import warm_up
+from pdserve.errors import PDServeError
 
 STARTUP_ESTIMATE_S = 75.0  # deployment up + warm-up, for the progress estimate only
 POINT_OVERHEAD_S = 15.0  # bench client start (~10 s import) and drain
@@ -43,20 +44,32 @@ class Runner:
     notes: list[str] = field(default_factory=list)
 
     def run(self, progress: Progress | None = None) -> Path:
-        """Measure every missing point, then write the report; returns the report's path."""
+        """Measure every missing point, then write the report; returns the report's path.
+
+        A configuration that fails (deployment unhealthy, bench client error) does not stop the
+        others; the report is written anyway and PDServeError is raised at the end.
+        """
         check_available(self.deployer, self.plan.configs)
         todo = [p for p in self.plan.points() if not self.results.is_done(p)]
         progress = progress or Progress(self.estimate_s(todo), len(todo))
         chunked_tokens = self._chunk_budget(progress) if "chunked" in self.plan.configs else None
+        failures = []
         for config in self.plan.configs:
             points = [p for p in todo if p.config == config]
             if not points:
                 continue
             extra = ("--max-num-batched-tokens", str(chunked_tokens)) if config == "chunked" else ()
-            self._measure(config, points, extra, progress)
+            try:
+                self._measure(config, points, extra, progress)
+            except PDServeError as exc:  # the other configurations still run; a re-run retries this one
+                failures.append(f"{config}: {exc}")
+                progress.event(f"{config} FAILED: {exc}")
             self.write_report()
-        progress.close(f"report: {self.results.report_path}")
-        return self.write_report()
+        report = self.write_report()
+        progress.close(f"report: {report}")
+        if failures:
+            raise PDServeError(f"{len(failures)} configuration(s) failed (re-run to retry): " + "; ".join(failures))
+        return report
 
     def estimate_s(self, todo: list[Point]) -> float:
         configs = {p.config for p in todo}

@@ -44,6 +44,12 @@ class FakeBench:
         synthetic.write(command.result_path, synthetic.point_data(met_n=10, ttft_n=0))
 
 
+@pytest.fixture
+def no_plots(monkeypatch):
+    """Plots are checked elsewhere; drawing them after every configuration is slow."""
+    monkeypatch.setattr("pdserve.bench.runner.write_plots", lambda plan, runs, out_dir: [])
+
+
 def make(tmp_path, plan, deployer, bench):
     results = ResultsDir(tmp_path / "run")
     results.open_plan(plan)
@@ -66,7 +72,7 @@ def test_runs_every_point_once_per_deployment_and_reports(tmp_path):
     assert "12/12 points" in (tmp_path / "progress.txt").read_text()
 
 
-def test_interrupt_stops_the_deployment_and_resume_runs_only_missing_points(tmp_path):
+def test_interrupt_stops_the_deployment_and_resume_runs_only_missing_points(tmp_path, no_plots):
     plan = synthetic.plan()
     deployer = FakeDeployer()
     runner, progress = make(tmp_path, plan, deployer, FakeBench(interrupt_at=8))
@@ -85,7 +91,7 @@ def test_interrupt_stops_the_deployment_and_resume_runs_only_missing_points(tmp_
     assert deployer.log == []
 
 
-def test_unavailable_configuration_is_an_error_before_anything_starts(tmp_path):
+def test_unavailable_configuration_is_an_error_before_anything_starts(tmp_path, no_plots):
     plan = synthetic.plan(configs=("collocated", "write", "read"))
     deployer = FakeDeployer(missing=("write", "read"))
     runner, progress = make(tmp_path, plan, deployer, FakeBench())
@@ -95,7 +101,7 @@ def test_unavailable_configuration_is_an_error_before_anything_starts(tmp_path):
     check_available(FakeDeployer(), plan.configs)
 
 
-def test_chunked_is_tuned_once_and_uses_the_chosen_budget(tmp_path):
+def test_chunked_is_tuned_once_and_uses_the_chosen_budget(tmp_path, no_plots):
     plan = synthetic.plan(configs=("chunked",), chunk_candidates=(128, 256))
     deployer = FakeDeployer()
 
@@ -113,3 +119,23 @@ def test_chunked_is_tuned_once_and_uses_the_chosen_budget(tmp_path):
     tuned = json.loads((tmp_path / "run" / "tune.json").read_text())
     assert tuned["chosen"] == 128 and len(tuned["trials"]) == 2
     assert "--max-num-batched-tokens 128, tuned over [128, 256]" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_a_failing_configuration_does_not_stop_the_others(tmp_path, no_plots):
+    from pdserve.errors import LaunchError, PDServeError
+
+    class Flaky(FakeDeployer):
+        @contextlib.contextmanager
+        def up(self, request):
+            if request.config == "collocated":
+                raise LaunchError("vllm exited with code 1 during start")
+            with super().up(request) as endpoint:
+                yield endpoint
+
+    plan = synthetic.plan()
+    deployer, bench = Flaky(), FakeBench()
+    runner, progress = make(tmp_path, plan, deployer, bench)
+    with pytest.raises(PDServeError, match="collocated: vllm exited"):
+        runner.run(progress)
+    assert len(bench.commands) == 6
+    assert "Incomplete: 6 of 12 points" in (tmp_path / "run" / "report.md").read_text()
