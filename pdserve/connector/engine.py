@@ -16,6 +16,7 @@ import logging
 import queue
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -25,7 +26,8 @@ from pdserve.connector.metadata import CancelSpec, HoldSpec, RecvSpec, SendSpec
 from pdserve.connector.peers import HandshakeResult, Peer, PeerState, PeerTable
 from pdserve.connector.transfer import Side, Transfer, TransferState
 from pdserve.control.address import PeerAddress
-from pdserve.control.messages import Release, RemoteBlocks, WriteDone
+from pdserve.connector.holds import HoldBook
+from pdserve.control.messages import ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
 from pdserve.errors import PDServeError
 from pdserve.transport.base import Direction, Transport, TransferStatus
 
@@ -38,6 +40,10 @@ HOLD_MARGIN_S = 0.5  # D refuses a READ result this close to P's hold expiry
 class Notifier(Protocol):
     def notify(self, address: PeerAddress, message) -> None:
         """Send a message to the peer's notify port; never blocks for long, never raises."""
+
+    def ask(self, address: PeerAddress, message):
+        """Send a request to the peer's handshake port and return its reply; raises PDServeError.
+        Called on a background thread."""
 
 
 @dataclass
@@ -73,6 +79,8 @@ class TransferEngine:
         self._finished_requests: set[str] = set()
         self._sent: set[str] = set()  # request ids whose send side is over, not yet reported
         self._finished = Finished()
+        self._holds = HoldBook()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-confirm")
         self.stats = TransferStats()
 
     # ---- inputs ----------------------------------------------------------------------------
@@ -93,8 +101,16 @@ class TransferEngine:
 
     def add_hold(self, spec: HoldSpec) -> None:
         deadline = time.monotonic() + max(0.0, spec.expires_at - time.time())
-        t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.READ, None, (), deadline)
-        self._admit(t)
+        t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.READ, None, spec.block_ids, deadline)
+        if self._admit(t):
+            self._holds.add(t.transfer_id, t.local_block_ids)
+
+    def answer_read_done(self, message: ReadDone) -> ReadAck:
+        """Thread-safe (control-plane server thread): D finished reading; confirm and release."""
+        error = self._holds.take(message.transfer_id, tuple(message.block_ids), wait_s=0.5)
+        if not error:
+            self._inbox.put(("released", message.transfer_id))
+        return ReadAck(message.transfer_id, not error, error)
 
     def add_recv(self, spec: RecvSpec) -> None:
         t = Transfer(spec.transfer_id, spec.request_id, Side.RECV, spec.mode, spec.peer, spec.block_ids,
@@ -170,6 +186,7 @@ class TransferEngine:
         return bool(self._transfers)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._peers.close()
 
     # ---- internals -------------------------------------------------------------------------
@@ -190,6 +207,15 @@ class TransferEngine:
             if peer is not None:
                 self._on_peer(peer)
             return
+        if event[0] == "released":  # P READ: D confirmed its read (answer_read_done)
+            t = self._transfers.get(event[1])
+            if t is not None and not t.state.is_terminal:
+                t.succeed()
+                self._finish(t)
+            return
+        if event[0] == "read_ack":  # D READ: P's answer to our ReadDone
+            self._on_read_ack(event[1], event[2])
+            return
         sender, message = event
         tid = getattr(message, "transfer_id", None)
         if tid is None or tid in self._terminal:
@@ -207,8 +233,9 @@ class TransferEngine:
             self._peers.lookup(t.peer, identity=sender)
             self._try_write(t)
         elif isinstance(message, Release) and t.side is Side.SEND:
-            if t.mode is TransferMode.READ:
-                t.succeed()
+            if t.mode is TransferMode.READ:  # D gave up before reading
+                self._holds.discard(t.transfer_id)
+                t.fail("decode released the held KV without reading it")
                 self._finish(t)
             else:
                 t.release_requested = True
@@ -285,13 +312,33 @@ class TransferEngine:
                 t.succeed()
                 self._notifier.notify(t.peer, WriteDone(t.transfer_id, True))
                 self._finish(t)
-        elif t.mode is TransferMode.READ and t.handles:
+        elif t.mode is TransferMode.READ and t.handles and not t.confirming:
             if t.hold_expires_at is not None and time.time() > t.hold_expires_at - HOLD_MARGIN_S:
                 self._fail(t, "the prefill instance's hold on the KV expired during the read")
             else:
-                t.succeed()
-                self._notifier.notify(t.peer, Release(t.transfer_id))
-                self._finish(t)
+                t.confirming = True
+                self._pool.submit(self._confirm_read, t.peer, t.transfer_id, list(t.remote_block_ids or ()))
+
+    def _confirm_read(self, peer: PeerAddress, transfer_id: str, block_ids: list[int]) -> None:
+        try:
+            reply = self._notifier.ask(peer, ReadDone(transfer_id, block_ids))
+        except PDServeError as exc:
+            reply = exc
+        except Exception as exc:  # a confirmation thread must always report back
+            reply = PDServeError(f"confirming the read failed: {exc}")
+        self._inbox.put(("read_ack", transfer_id, reply))
+
+    def _on_read_ack(self, transfer_id: str, reply) -> None:
+        t = self._transfers.get(transfer_id)
+        if t is None or t.state.is_terminal:
+            return
+        if isinstance(reply, ReadAck) and reply.ok:
+            t.succeed()
+            self._finish(t)
+        elif isinstance(reply, ReadAck):
+            self._fail(t, f"prefill did not confirm the KV it held: {reply.error}")
+        else:
+            self._fail(t, f"prefill did not confirm the KV it held: {reply}")
 
     def _expire(self, t: Transfer) -> None:
         if t.side is Side.RECV and t.mode is TransferMode.WRITE and not t.release_requested:
@@ -304,6 +351,7 @@ class TransferEngine:
         if t.side is Side.RECV and t.mode is TransferMode.WRITE:
             reason = t.error
         elif t.side is Side.SEND and t.mode is TransferMode.READ:
+            self._holds.discard(t.transfer_id)
             reason = "decode never released the held KV blocks"
         elif t.side is Side.SEND and t.remote_block_ids is None:
             reason = "decode never announced its blocks"

@@ -26,6 +26,7 @@ class HoldSpec:
 
     request_id: str
     transfer_id: str
+    block_ids: tuple[int, ...]
     expires_at: float  # unix time
 
 

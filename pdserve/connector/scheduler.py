@@ -144,7 +144,7 @@ class PDScheduler:
             return False, None
         expires_at = time.time() + self._config.defer_timeout
         self._held.add(rid)
-        self._meta.holds.append(HoldSpec(rid, params.transfer_id, expires_at))
+        self._meta.holds.append(HoldSpec(rid, params.transfer_id, tuple(block_ids), expires_at))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -8,7 +8,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_EMPTY = {"num_completed": 0, "num_failed": 0, "num_bytes": 0, "seconds": [], "copy_seconds": 0.0, "copy_bytes": 0}
+_EMPTY = {"num_completed": 0, "num_failed": 0, "num_bytes": 0, "seconds": [], "copy_seconds": 0.0, "copy_bytes": 0,
+          "num_rejected": 0}
 
 
 @dataclass
@@ -21,7 +22,7 @@ class PDConnectorStats(KVConnectorStats):
         self.data = {k: (list(v) if isinstance(v, list) else v) for k, v in _EMPTY.items()}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key in ("num_completed", "num_failed", "num_bytes", "copy_seconds", "copy_bytes"):
+        for key in ("num_completed", "num_failed", "num_bytes", "copy_seconds", "copy_bytes", "num_rejected"):
             self.data[key] += other.data.get(key, 0)
         self.data["seconds"] = self.data["seconds"] + list(other.data.get("seconds", []))
         return self
@@ -36,7 +37,7 @@ class PDConnectorStats(KVConnectorStats):
         }
 
     def is_empty(self) -> bool:
-        return not (self.data["num_completed"] or self.data["num_failed"])
+        return not (self.data["num_completed"] or self.data["num_failed"] or self.data["num_rejected"])
 
 
 class PDPromMetrics(KVConnectorPromMetrics):
@@ -59,6 +60,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._seconds = counter("pdserve:kv_transfer_seconds", "Seconds spent in completed KV transfers.")
         self._copy_bytes = counter("pdserve:kv_copy_bytes", "Bytes this instance's transport copied.")
         self._copy_seconds = counter("pdserve:kv_copy_seconds", "Seconds this instance's transport spent copying.")
+        self._rejected = counter("pdserve:control_messages_rejected",
+                                 "Control-plane messages rejected (undecodable, unauthenticated, replayed).")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         self._completed[engine_idx].inc(transfer_stats_data.get("num_completed", 0))
@@ -67,3 +70,4 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._seconds[engine_idx].inc(sum(transfer_stats_data.get("seconds", [])))
         self._copy_bytes[engine_idx].inc(transfer_stats_data.get("copy_bytes", 0))
         self._copy_seconds[engine_idx].inc(transfer_stats_data.get("copy_seconds", 0.0))
+        self._rejected[engine_idx].inc(transfer_stats_data.get("num_rejected", 0))

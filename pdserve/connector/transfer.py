@@ -69,6 +69,7 @@ class Transfer:
     num_bytes: int = 0
     release_requested: bool = False  # WRITE: D gave up; P stops writing, then confirms
     hold_expires_at: float | None = None  # D READ: unix time after which P may free its blocks
+    confirming: bool = False  # D READ: copies done, waiting for P to confirm it held those blocks
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
 

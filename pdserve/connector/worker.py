@@ -21,7 +21,7 @@ from pdserve.connector.peers import HandshakeResult
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
 from pdserve.control.endpoint import Client, Server
-from pdserve.control.messages import HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong
+from pdserve.control.messages import HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong, ReadDone
 from pdserve.control.secret import load_secret
 from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
 from pdserve.transport.base import RegionDescriptor
@@ -52,6 +52,7 @@ class PDWorker:
         self._engine: TransferEngine | None = None
         self._step_sends = False
         self._idle = False
+        self._reported_rejections = 0
 
     # ---- startup ---------------------------------------------------------------------------
 
@@ -114,6 +115,8 @@ class PDWorker:
             )
         if isinstance(message, Ping):
             return Pong()
+        if isinstance(message, ReadDone):
+            return self._engine.answer_read_done(message)
         self._engine.on_message(envelope.sender, message)
         return None
 
@@ -136,6 +139,9 @@ class PDWorker:
         except PDServeError as exc:
             return HandshakeResult(address, error=str(exc))
         return HandshakeResult(address, reply.engine_id, regions, layout)
+
+    def ask(self, address: PeerAddress, message):
+        return self._client.request(address.host, address.handshake_port, message, self._config.handshake_timeout)
 
     def notify(self, address: PeerAddress, message) -> None:
         try:
@@ -180,12 +186,15 @@ class PDWorker:
         if self._engine is None:
             return None
         stats = self._engine.stats
-        if not (stats.num_completed or stats.num_failed):
+        rejected = sum(server.num_rejected for server in self._servers)
+        new_rejections, self._reported_rejections = rejected - self._reported_rejections, rejected
+        if not (stats.num_completed or stats.num_failed or new_rejections):
             return None
         self._engine.stats = type(stats)()
         return {"num_completed": stats.num_completed, "num_failed": stats.num_failed,
                 "num_bytes": stats.num_bytes, "seconds": stats.seconds,
-                "copy_seconds": stats.copy_seconds, "copy_bytes": stats.copy_bytes}
+                "copy_seconds": stats.copy_seconds, "copy_bytes": stats.copy_bytes,
+                "num_rejected": new_rejections}
 
     def shutdown(self) -> None:
         for server in self._servers:

@@ -113,3 +113,24 @@ class Ping:
 @dataclass(frozen=True)
 class Pong:
     """Answer to Ping."""
+
+
+@message("read_done")
+@dataclass(frozen=True)
+class ReadDone:
+    """D -> P (READ mode, request): D read `block_ids` of `transfer_id`; P answers ReadAck and
+    frees them. P says ok only if it held exactly those blocks for that transfer all along, so a
+    read of blocks P never held (stale or forged params) can never pass as a KV transfer."""
+
+    transfer_id: str
+    block_ids: list[int]
+
+
+@message("read_ack")
+@dataclass(frozen=True)
+class ReadAck:
+    """P -> D: the answer to ReadDone."""
+
+    transfer_id: str
+    ok: bool
+    error: str = ""

@@ -14,6 +14,8 @@ from pdserve.control.messages import (
     HandshakeRequest,
     Ping,
     Pong,
+    ReadAck,
+    ReadDone,
     Release,
     RemoteBlocks,
     WriteDone,
@@ -34,6 +36,8 @@ EXAMPLES = [
     WriteDone("tx-1", True),
     WriteDone("tx-2", False, "peer segment missing"),
     Release("tx-1"),
+    ReadDone("tx-1", [1, 2, 3]),
+    ReadAck("tx-1", False, "no KV is held for transfer tx-1"),
     Ping(),
     Pong(),
 ]
