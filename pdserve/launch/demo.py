@@ -29,20 +29,25 @@ def model_id(endpoint: str) -> str:
 
 
 def stream_completion(endpoint: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> RequestTiming:
-    """One streaming request; token times are the arrival times of SSE chunks with text."""
+    """One streaming request; token times are the arrival times of SSE chunks with text
+    (a chunk can hold no text while a multi-byte character is incomplete)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     arrivals: list[float] = []
+    num_tokens = 0
     with requests.post(f"{endpoint}/v1/completions", json=body, stream=True, timeout=120) as response:
         response.raise_for_status()
         for line in response.iter_lines(chunk_size=None):
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            if json.loads(line[6:])["choices"][0].get("text"):
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0].get("text"):
                 arrivals.append(time.perf_counter())
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return RequestTiming(len(prompt), len(arrivals), arrivals[0] - start if arrivals else float("nan"),
+    return RequestTiming(len(prompt), num_tokens, arrivals[0] - start if arrivals else float("nan"),
                          statistics.fmean(gaps) if gaps else float("nan"))
 
 
