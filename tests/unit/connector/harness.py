@@ -15,6 +15,8 @@ from pdserve.connector.engine import Finished, TransferEngine
 from pdserve.connector.layout import KvLayout, LayerPlacement
 from pdserve.connector.peers import HandshakeResult
 from pdserve.control.address import PeerAddress
+from pdserve.control.messages import ReadDone
+from pdserve.errors import PDServeError
 from pdserve.transport import SharedSegment, ShmTransport, segment_name
 
 NUM_LAYERS = 2
@@ -50,6 +52,7 @@ class FakeNotifier:
     def __init__(self, sender_identity: str):
         self.sender_identity = sender_identity
         self.sent: list[Sent] = []
+        self.asked: list[Sent] = []
         self.targets: dict[PeerAddress, TransferEngine] = {}
         self.drop = False
 
@@ -58,6 +61,16 @@ class FakeNotifier:
         target = self.targets.get(address)
         if target is not None and not self.drop:
             target.on_message(self.sender_identity, message)
+
+    def ask(self, address: PeerAddress, message):
+        """A request to the peer's handshake port (READ: ReadDone -> ReadAck); runs on a pool thread."""
+        self.asked.append(Sent(address, message))
+        target = self.targets.get(address)
+        if target is None or self.drop:
+            raise PDServeError(f"no answer from {address.host}:{address.handshake_port}")
+        if isinstance(message, ReadDone):
+            return target.answer_read_done(message)
+        raise PDServeError(f"the fake peer does not answer {type(message).__name__}")
 
     def messages(self, kind: type) -> list:
         return [s.message for s in self.sent if isinstance(s.message, kind)]

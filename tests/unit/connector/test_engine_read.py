@@ -1,0 +1,212 @@
+"""TransferEngine, READ mode (P holds its blocks, D pulls them and releases), with real bytes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.config import TransferMode
+from pdserve.connector.metadata import CancelSpec, HoldSpec, RecvSpec
+from pdserve.control.messages import ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
+from tests.unit.connector.harness import NUM_BLOCKS, NUM_LAYERS, P_ADDRESS, Pair
+
+READ = TransferMode.READ
+P_BLOCKS = (5, 6, 7, 0)
+D_BLOCKS = (1, 2, 3, 4)
+
+
+def recv_spec(request_id="req-d", transfer_id="t1", first_block=0, hold_s=30.0, remote=P_BLOCKS, **kw) -> RecvSpec:
+    return RecvSpec(request_id, transfer_id, READ, P_ADDRESS, D_BLOCKS, first_block, remote, time.time() + hold_s, **kw)
+
+
+def hold(pair: Pair, request_id="req-p", transfer_id="t1", hold_s=30.0, blocks=P_BLOCKS) -> None:
+    pair.p.engine.begin_step()
+    pair.p.engine.add_hold(HoldSpec(request_id, transfer_id, blocks, time.time() + hold_s))
+
+
+@pytest.mark.parametrize("first_block", [0, 2, 4])
+def test_read_pulls_exactly_the_blocks_from_first_block_on_then_p_confirms(first_block):
+    with Pair(READ) as pair:
+        p_before, d_before = pair.p.snapshot(), pair.d.snapshot()
+        hold(pair)
+        pair.p.finished_req_ids.add("req-p")  # P's request finished when it returned delay_free
+        pair.pump()
+        pair.d.engine.add_recv(recv_spec(first_block=first_block))
+        pair.pump_until(lambda: "req-d" in pair.d.recving and "req-p" in pair.p.sending)
+        assert not pair.d.failed_recving
+        assert [(s.address, s.message) for s in pair.d.notifier.asked] == [(P_ADDRESS, ReadDone("t1", list(P_BLOCKS)))]
+        assert pair.d.notifier.sent == [] and pair.p.notifier.sent == []
+        moved = {d: p for p, d in list(zip(P_BLOCKS, D_BLOCKS))[first_block:]}
+        for layer in range(NUM_LAYERS):
+            for block in range(NUM_BLOCKS):
+                expected = p_before[(layer, moved[block])] if block in moved else d_before[(layer, block)]
+                assert pair.d.read_block(layer, block) == expected, f"layer {layer} block {block}"
+        assert pair.p.snapshot() == p_before
+        assert pair.p.engine.stats.num_completed == 1 and pair.d.engine.stats.num_completed == 1
+
+
+@pytest.mark.parametrize("how", ["read_done", "release"])
+def test_p_hold_reports_sending_only_once_d_let_go_and_the_request_finished(how):
+    with Pair(READ) as pair:
+        hold(pair)
+        pair.pump_for(0.03)
+        assert pair.p.sending == set()
+        if how == "read_done":
+            assert pair.p.engine.answer_read_done(ReadDone("t1", list(P_BLOCKS))) == ReadAck("t1", True)
+        else:
+            pair.p.engine.on_message("127.0.0.1:6302/d", Release("t1"))
+        pair.pump_for(0.03)
+        assert pair.p.sending == set(), "reported before vLLM passed the request id as finished"
+        pair.p.finished_req_ids.add("req-p")
+        pair.pump()
+        assert pair.p.sending == {"req-p"}
+        assert not pair.p.engine.has_active()
+
+
+def test_read_done_confirms_only_the_blocks_held_and_only_once():
+    with Pair(READ) as pair:
+        hold(pair)
+        wrong = pair.p.engine.answer_read_done(ReadDone("t1", [1, 2, 3, 4]))
+        assert not wrong.ok and "holds blocks" in wrong.error
+        assert not pair.p.engine.answer_read_done(ReadDone("t2", list(P_BLOCKS))).ok
+        assert pair.p.engine.answer_read_done(ReadDone("t1", list(P_BLOCKS))).ok, "a wrong guess freed the hold"
+        again = pair.p.engine.answer_read_done(ReadDone("t1", list(P_BLOCKS)))
+        assert not again.ok and "already released" in again.error
+
+
+def test_read_done_after_the_hold_expired_is_refused():
+    with Pair(READ) as pair:
+        hold(pair, hold_s=0.05)
+        pair.p.finished_req_ids.add("req-p")
+        pair.pump_until(lambda: "req-p" in pair.p.sending, sides=(pair.p,))
+        assert not pair.p.engine.answer_read_done(ReadDone("t1", list(P_BLOCKS))).ok
+
+
+def test_read_done_before_the_hold_is_known_waits_for_it():
+    with Pair(READ) as pair:
+        pair.d.engine.add_recv(recv_spec())
+        pair.pump_until(lambda: pair.d.notifier.asked, sides=(pair.d,))  # read done, P's worker has no hold yet
+        hold(pair)
+        pair.p.finished_req_ids.add("req-p")
+        pair.pump_until(lambda: "req-d" in pair.d.recving and "req-p" in pair.p.sending)
+        assert not pair.d.failed_recving
+
+
+def test_read_done_never_confirmed_fails_the_read_and_releases():
+    with Pair(READ) as pair:
+        pair.d.engine.add_recv(recv_spec())  # P holds nothing for t1
+        pair.pump_until(lambda: "req-d" in pair.d.recving, sides=(pair.d,))
+        assert pair.d.failed_recving == {"req-d"}
+        assert pair.d.notifier.messages(Release) == [Release("t1")]
+
+
+def test_unreachable_prefill_fails_the_read():
+    with Pair(READ) as pair:
+        hold(pair)
+        pair.d.notifier.drop = True
+        pair.d.engine.add_recv(recv_spec())
+        pair.pump_until(lambda: "req-d" in pair.d.recving, sides=(pair.d,))
+        assert pair.d.failed_recving == {"req-d"}
+
+
+def test_late_messages_after_a_finished_hold_are_ignored():
+    with Pair(READ) as pair:
+        hold(pair)
+        pair.p.finished_req_ids.add("req-p")
+        assert pair.p.engine.answer_read_done(ReadDone("t1", list(P_BLOCKS))).ok
+        pair.pump_until(lambda: "req-p" in pair.p.sending, sides=(pair.p,))
+        pair.p.sending.clear()
+        pair.p.engine.on_message("127.0.0.1:6302/d", Release("t1"))
+        pair.p.engine.on_message("127.0.0.1:6302/d", RemoteBlocks("t1", [1], 0))
+        pair.p.finished_req_ids.add("req-p")
+        pair.pump_for(0.03, sides=(pair.p,))
+        assert pair.p.sending == set() and pair.p.notifier.sent == []
+        assert not pair.p.engine.has_active()
+        assert (pair.p.engine.stats.num_completed, pair.p.engine.stats.num_failed) == (1, 0)
+
+
+def test_read_completing_within_the_hold_margin_is_a_failure():
+    """P may free its blocks at hold_expires_at: a read ending that close to it must not count."""
+    with Pair(READ) as pair:
+        hold(pair)
+        pair.d.engine.add_recv(recv_spec(hold_s=0.1))  # expires inside the engine's safety margin
+        pair.pump_until(lambda: "req-d" in pair.d.recving)
+        assert pair.d.failed_recving == {"req-d"}
+        assert pair.d.notifier.messages(Release) == [Release("t1")], "D must still let P go"
+        assert pair.d.notifier.asked == [], "a read past the margin must not ask P to confirm it"
+        assert pair.d.engine.stats.num_completed == 0
+
+
+def test_read_after_the_hold_expired_is_a_failure():
+    with Pair(READ) as pair:
+        hold(pair)
+        pair.d.engine.add_recv(recv_spec(hold_s=-1.0))
+        pair.pump_until(lambda: "req-d" in pair.d.recving)
+        assert pair.d.failed_recving == {"req-d"}
+
+
+def test_handshake_failure_fails_the_read_and_releases():
+    with Pair(READ) as pair:
+        pair.p.handshake_error = "peer 127.0.0.1:6301 refused the handshake: dtype differs"
+        hold(pair)
+        pair.p.finished_req_ids.add("req-p")
+        d_before = pair.d.snapshot()
+        pair.d.engine.add_recv(recv_spec())
+        pair.pump_until(lambda: "req-d" in pair.d.recving and "req-p" in pair.p.sending)
+        assert pair.d.failed_recving == {"req-d"}
+        assert pair.d.notifier.messages(Release) == [Release("t1")]
+        assert pair.d.snapshot() == d_before
+
+
+def test_remote_block_out_of_the_layout_fails_the_read_and_releases():
+    with Pair(READ) as pair:
+        hold(pair)
+        d_before = pair.d.snapshot()
+        pair.d.engine.add_recv(recv_spec(remote=(5, 6, 7, NUM_BLOCKS)))
+        pair.pump_until(lambda: "req-d" in pair.d.recving)
+        assert pair.d.failed_recving == {"req-d"}
+        assert pair.d.notifier.messages(Release) == [Release("t1")]
+        assert pair.d.snapshot() == d_before
+
+
+def test_duplicate_read_fails_the_second_and_leaves_the_first_alone():
+    with Pair(READ) as pair:
+        hold(pair)
+        pair.d.engine.add_recv(recv_spec("req-a"))
+        pair.d.engine.add_recv(recv_spec("req-b"))
+        pair.pump_until(lambda: {"req-a", "req-b"} <= pair.d.recving)
+        assert pair.d.failed_recving == {"req-b"}
+        assert [s.message for s in pair.d.notifier.asked] == [ReadDone("t1", list(P_BLOCKS))]
+        assert pair.d.notifier.sent == [], "the duplicate must not release the first one's hold"
+
+
+def test_duplicate_hold_fails_the_second_and_leaves_the_first_alone():
+    with Pair(READ) as pair:
+        hold(pair, "req-p")
+        hold(pair, "req-q")
+        pair.p.finished_req_ids |= {"req-p", "req-q"}
+        pair.pump(sides=(pair.p,))
+        assert pair.p.sending == {"req-q"}, "the duplicate hold must free its blocks at once"
+        assert pair.p.engine.answer_read_done(ReadDone("t1", list(P_BLOCKS))).ok
+        pair.pump(sides=(pair.p,))
+        assert pair.p.sending == {"req-p", "req-q"}
+
+
+def test_recv_spec_with_error_fails_at_once():
+    with Pair(READ) as pair:
+        pair.d.engine.add_recv(RecvSpec("req-x", "", READ, None, D_BLOCKS, 0, None, None,
+                                        error="kv_transfer_params.remote_block_ids is missing"))
+        pair.pump(sides=(pair.d,))
+        assert pair.d.recving == {"req-x"} and pair.d.failed_recving == {"req-x"}
+        assert pair.d.notifier.sent == []
+
+
+def test_cancel_on_d_releases_p_hold():
+    with Pair(READ) as pair:
+        hold(pair)
+        pair.p.finished_req_ids.add("req-p")
+        pair.d.engine.cancel(CancelSpec("t1", P_ADDRESS, "request ended before decode allocated its blocks"))
+        assert pair.d.notifier.messages(Release) == [Release("t1")]
+        pair.pump_until(lambda: "req-p" in pair.p.sending)
+        assert pair.p.notifier.messages(WriteDone) == []
