@@ -88,6 +88,7 @@ class Instance:
     identity: str
     engine: TransferEngine | None = None
     handshake_error: str = ""
+    handshake_delay_s: float = 0.0  # a peer that answers slowly
     advertised_layout: KvLayout | None = None  # what the handshake claims, when not `layout`
     handshakes: int = 0
     sending: set[str] = field(default_factory=set)
@@ -130,6 +131,7 @@ class Instance:
     def handshake(self, address: PeerAddress) -> HandshakeResult:
         """The handshake function the *other* side's engine calls to reach this side."""
         self.handshakes += 1
+        time.sleep(self.handshake_delay_s)
         if self.handshake_error:
             return HandshakeResult(address, error=self.handshake_error)
         layout = self.advertised_layout or self.layout
