@@ -1,0 +1,63 @@
+"""Transfer: one object per request leg; illegal transitions fail loudly."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import TransferMode
+from pdserve.connector.transfer import IllegalTransition, Side, Transfer, TransferState
+from pdserve.errors import PDServeError
+
+
+def make(first_block=0, remote=(10, 11, 12)) -> Transfer:
+    return Transfer("t1", "req", Side.SEND, TransferMode.WRITE, None, (1, 2, 3), deadline=0.0,
+                    remote_block_ids=remote, first_block=first_block)
+
+
+def test_happy_life_waiting_copying_done():
+    t = make()
+    assert t.state is TransferState.WAITING and not t.state.is_terminal
+    t.start_copying()
+    t.start_copying()  # more layers, same state
+    t.succeed()
+    assert t.state is TransferState.DONE and t.state.is_terminal and t.seconds >= 0
+
+
+@pytest.mark.parametrize("setup", ["waiting", "copying"])
+def test_fail_from_any_live_state_records_the_reason(setup):
+    t = make()
+    if setup == "copying":
+        t.start_copying()
+    t.fail("boom")
+    assert (t.state, t.error) == (TransferState.FAILED, "boom")
+
+
+@pytest.mark.parametrize(
+    "first, then, names",
+    [
+        ("succeed", "fail", ("done", "failed")),
+        ("succeed", "succeed", ("done", "done")),
+        ("fail", "succeed", ("failed", "done")),
+        ("fail", "fail", ("failed", "failed")),
+        ("succeed", "start_copying", ("done", "copying")),
+        ("fail", "start_copying", ("failed", "copying")),
+    ],
+)
+def test_terminal_states_never_move_and_the_error_names_both_states(first, then, names):
+    t = make()
+    getattr(t, first)(*(["x"] if first == "fail" else []))
+    before = (t.state, t.error)
+    with pytest.raises(IllegalTransition) as info:
+        getattr(t, then)(*(["y"] if then == "fail" else []))
+    message = str(info.value)
+    assert names[0] in message and names[1] in message and "t1" in message
+    assert (t.state, t.error) == before
+    assert isinstance(info.value, PDServeError)
+
+
+def test_block_pairs_start_at_first_block_and_stop_at_the_shorter_list():
+    assert make().block_pairs() == [(1, 10), (2, 11), (3, 12)]
+    assert make(first_block=1).block_pairs() == [(2, 11), (3, 12)]
+    assert make(first_block=3).block_pairs() == []
+    assert make(remote=(10, 11)).block_pairs() == [(1, 10), (2, 11)]
+    assert make(remote=None).block_pairs() == []
