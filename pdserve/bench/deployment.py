@@ -58,6 +58,15 @@ def served_model(base_url: str, timeout_s: float = 10.0) -> str:
 BENCH_PORT = 38000  # client-facing port; instances and router take the next few
 
 
+def expect_model(base_url: str, model_dir: Path) -> str:
+    """The served model id, checked to be ours: another deployment on the same port (a concurrent
+    run) would otherwise be measured in our place."""
+    served = served_model(base_url)
+    if served != str(Path(model_dir).resolve()):
+        raise LaunchError(f"{base_url} serves {served!r}, not {model_dir}: is another deployment using this port?")
+    return served
+
+
 class LauncherDeployer:
     """The real deployer: `pdserve.launch` modes, brought up from code on ports 38000-38009."""
 
@@ -85,7 +94,7 @@ class LauncherDeployer:
         cluster = launch.up(options)
         try:
             cluster.wait_healthy(self.startup_timeout_s)
-            yield Endpoint(cluster.endpoint, served_model(cluster.endpoint))
+            yield Endpoint(cluster.endpoint, expect_model(cluster.endpoint, request.model_dir))
         finally:
             cluster.stop()
 

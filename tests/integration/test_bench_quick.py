@@ -12,12 +12,15 @@ import pytest
 from pdserve.cli import main
 from pdserve.launch.ports import port_free
 
+PORT = 38100  # not the CLI's default 38000, so a manual `pdserve bench` and this test do not collide
+
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_quick_bench_writes_raw_data_report_and_plots(tmp_path, tiny_model_dir):
     out = tmp_path / "quick"
-    rc = main(["bench", "--quick", "--seeds", "1", "--num-prompts", "12", "--out", str(out)])
+    argv = ["bench", "--quick", "--seeds", "1", "--num-prompts", "12", "--out", str(out), "--port", str(PORT)]
+    rc = main(argv)
     assert rc == 0
 
     for config in ("collocated", "round-robin"):
@@ -38,6 +41,6 @@ def test_quick_bench_writes_raw_data_report_and_plots(tmp_path, tiny_model_dir):
         assert (out / "plots" / png).read_bytes()[:4] == b"\x89PNG"
 
     # nothing left running: the launcher's ports are free again
-    assert all(port_free(p) for p in range(38000, 38004))
+    assert all(port_free(p) for p in range(PORT, PORT + 4))
     # a second identical invocation resumes: every point is done, so it starts nothing and rewrites the report
-    assert main(["bench", "--quick", "--seeds", "1", "--num-prompts", "12", "--out", str(out)]) == 0
+    assert main(argv) == 0

@@ -139,3 +139,34 @@ def test_a_failing_configuration_does_not_stop_the_others(tmp_path, no_plots):
         runner.run(progress)
     assert len(bench.commands) == 6
     assert "Incomplete: 6 of 12 points" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_expect_model_refuses_a_foreign_deployment(tmp_path):
+    import http.server
+    import threading
+
+    from pdserve.bench.deployment import expect_model
+    from pdserve.errors import LaunchError
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": str(tmp_path / "ours")}]}).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Models)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert expect_model(url, tmp_path / "ours") == str(tmp_path / "ours")
+        with pytest.raises(LaunchError, match="another deployment"):
+            expect_model(url, tmp_path / "theirs")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
