@@ -72,6 +72,8 @@ def _bool(key: str, value: Any) -> bool:
 
 
 def _port(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a port number, got {value!r}")
     try:
         port = int(value)
     except (TypeError, ValueError):
@@ -82,6 +84,8 @@ def _port(key: str, value: Any) -> int:
 
 
 def _seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a number of seconds, got {value!r}")
     try:
         seconds = float(value)
     except (TypeError, ValueError):

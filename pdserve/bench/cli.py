@@ -86,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
         print(publish(results.open_plan(None), results))
         return 0
     plan = results.open_plan(build_plan(args))
-    _terminate_as_interrupt()
     from pdserve.bench.deployment import LauncherDeployer
     from pdserve.bench.runner import Runner
     from pdserve.model.build import resolve_model
@@ -100,21 +99,21 @@ def run(args: argparse.Namespace) -> int:
         ensure_nixl()
         notes.append(WORKAROUNDS_NOTE)
     runner = Runner(plan, results, LauncherDeployer(port=args.port), resolve_model(plan.model), notes=notes)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: everything is stopped
     try:
         path = runner.run()
     except KeyboardInterrupt:
         print(f"\npdserve bench: interrupted; everything stopped. Re-run the same command to resume "
               f"({results.root}).", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(path)
     return 0
 
 
-def _terminate_as_interrupt() -> None:
-    """SIGTERM unwinds like Ctrl-C, so deployments and the bench client are stopped on the way out."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, handler)
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _strings(text: str) -> tuple[str, ...]:

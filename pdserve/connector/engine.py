@@ -102,8 +102,7 @@ class TransferEngine:
     def add_hold(self, spec: HoldSpec) -> None:
         deadline = time.monotonic() + max(0.0, spec.expires_at - time.time())
         t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.READ, None, spec.block_ids, deadline)
-        if self._admit(t):
-            self._holds.add(t.transfer_id, t.local_block_ids)
+        self._admit(t)
 
     def answer_read_done(self, message: ReadDone) -> ReadAck:
         """Thread-safe (control-plane server thread): D finished reading; confirm and release."""
@@ -119,7 +118,7 @@ class TransferEngine:
             t.fail(spec.error)
             self._finish(t)
             return
-        if not self._admit(t):
+        if not self._admit(t) or t.state.is_terminal:
             return
         if t.mode is TransferMode.WRITE:
             self._notifier.notify(t.peer, RemoteBlocks(t.transfer_id, list(t.local_block_ids), t.first_block))
@@ -174,7 +173,8 @@ class TransferEngine:
                 del self._early[tid]
 
     def take_finished(self, finished_req_ids: set[str]) -> Finished:
-        self._finished_requests |= finished_req_ids
+        sending = {t.request_id for t in self._transfers.values() if t.side is Side.SEND}
+        self._finished_requests |= finished_req_ids & (sending | self._sent)
         ready = self._sent & self._finished_requests
         self._sent -= ready
         self._finished_requests -= ready
@@ -197,6 +197,8 @@ class TransferEngine:
             self._finish(t, track=False)
             return False
         self._transfers[t.transfer_id] = t
+        if t.side is Side.SEND and t.mode is TransferMode.READ:
+            self._holds.add(t.transfer_id, t.local_block_ids)  # before early messages: a Release drops it
         for _, sender, message in self._early.pop(t.transfer_id, ()):
             self._on_transfer_message(t, sender, message)
         return True
@@ -384,7 +386,8 @@ class TransferEngine:
             self.stats.seconds.append(t.seconds)
         else:
             self.stats.num_failed += 1
-            logger.error("pdserve: transfer %s (request %s) failed: %s", t.transfer_id, t.request_id, t.error)
+            logger.error("pdserve: transfer %s (request %s) failed: %s [%s]", t.transfer_id, t.request_id,
+                         t.error, t.describe())
         if t.side is Side.SEND:
             self._sent.add(t.request_id)
         else:

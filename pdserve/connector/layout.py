@@ -44,6 +44,8 @@ class KvLayout:
         batch = []
         for index in sorted(layers):
             mine, theirs = self.layers[index], peer.layers[index]
+            if mine.region_id != theirs.region_id:
+                raise ProtocolError(f"layer {index} lives in region {mine.region_id} here, {theirs.region_id} on the peer")
             for block, other in pairs:
                 if block >= mine.num_blocks or other >= theirs.num_blocks:
                     raise ProtocolError(

@@ -67,7 +67,8 @@ class PDScheduler:
         return bool(self._held or self._meta.cancels or self._meta.holds)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        if self._config.role is Role.PRODUCER or request.request_id in self._receiving:
+        rid = request.request_id
+        if self._config.role is Role.PRODUCER or rid in self._receiving or rid in self._cancelled:
             return 0, False
         params = self._consumer_params(request)
         if params is None:

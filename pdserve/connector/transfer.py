@@ -98,6 +98,13 @@ class Transfer:
         end = self.finished_at if self.finished_at is not None else time.monotonic()
         return end - self.created_at
 
+    def describe(self) -> str:
+        """One line of state for logs: what a stuck or failed transfer was waiting for."""
+        handles = ",".join(h.status.value for h in self.handles) or "none"
+        return (f"{self.side.value} {self.mode.value} state={self.state.value} age={self.seconds:.2f}s "
+                f"remote_blocks={'yes' if self.remote_block_ids is not None else 'no'} "
+                f"layers ready={len(self.layers_ready)} submitted={len(self.layers_submitted)} copies={handles}")
+
     def block_pairs(self) -> list[tuple[int, int]]:
         """(local, remote) block pairs to move, from `first_block` on."""
         remote = self.remote_block_ids or ()

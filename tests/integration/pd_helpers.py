@@ -1,0 +1,121 @@
+"""Shared pieces of the PD integration tests: clusters with PDConnector, prompts, metrics."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import requests
+
+from pdserve.compare import fetch_greedy
+from pdserve.connector.modes import pd_deployment
+from pdserve.launch import Cluster, UpOptions, plan
+from pdserve.launch.env import cache_dir
+from pdserve.launch.ports import port_free
+from pdserve.launch.process import group_members
+from pdserve.model.build import resolve_model
+
+CHUNK_TOKENS = 512  # P's --max-num-batched-tokens: longer prompts are prefilled in chunks
+MAX_TOKENS = 32
+# Deadlines short enough that a failure test finishes quickly, long enough for a loaded 2-core box.
+LOG_DIR = cache_dir() / "test-logs"  # the processes' logs are kept here after each test cluster stops
+TIMEOUTS = {"transfer_timeout": 10, "defer_timeout": 15, "handshake_timeout": 5, "release_grace": 2}
+
+
+def prompts(count: int = 40, seed: int = 1234) -> list[list[int]]:
+    """Token-id prompts of 1 to ~1,800 tokens, most not a multiple of the 128-token block."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 127, 128, 129, 513, 1025, 1800]
+    lengths += [rng.randrange(3, 1800) for _ in range(count - len(lengths))]
+    return [[rng.randrange(10, 4000) for _ in range(n)] for n in lengths[:count]]
+
+
+def options(mode: str, port: int) -> UpOptions:
+    return UpOptions(mode=mode, model=str(resolve_model("tiny")), port=port, enforce_eager=True,
+                     extra_vllm_args=("--max-num-batched-tokens", str(CHUNK_TOKENS)))
+
+
+@contextmanager
+def pd_cluster(mode: str, port: int, **connector_extra) -> Iterator[Cluster]:
+    """P and D with PDConnector behind vllm-router; after the block, nothing of it may remain."""
+    opts = options(mode, port)
+    deployment = (pd_deployment(opts, mode, connector_extra={**TIMEOUTS, **connector_extra})
+                  if mode in ("write", "read") else plan(opts))
+    segments_before = _segments()
+    cluster = Cluster(deployment, log_dir=LOG_DIR / f"{mode}-{port}")
+    cluster.start()
+    pids: list[int] = []
+    try:
+        cluster.wait_healthy(600)
+        pids = [p.pid for p in cluster.processes]
+        if mode in ("write", "read"):
+            wait_routable(cluster)
+        yield cluster
+    finally:
+        cluster.stop()
+    assert all(group_members(pid) == [] for pid in pids), "a process of the launch survived stop()"
+    assert all(port_free(p) for p in deployment.ports), "a port of the launch is still bound"
+    leftovers = _segments() - segments_before
+    assert not leftovers, f"shared memory left behind: {sorted(leftovers)}"
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pdserve-")}
+
+
+def model_name(cluster: Cluster) -> str:
+    url = next(iter(cluster.instance_urls.values()))
+    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def wait_routable(cluster: Cluster, timeout: float = 60) -> None:
+    """vllm-router learns P and D from their registration heartbeats; wait until a request passes."""
+    deadline = time.monotonic() + timeout
+    body = {"model": model_name(cluster), "prompt": [11, 12, 13], "max_tokens": 1}
+    while True:
+        response = requests.post(f"{cluster.endpoint}/v1/completions", json=body, timeout=60)
+        if response.status_code == 200:
+            return
+        assert time.monotonic() < deadline, f"router never routed: {response.status_code} {response.text}"
+        time.sleep(0.5)
+
+
+def greedy(url: str, cluster: Cluster, batch: list, concurrency: int = 8, **kw):
+    return fetch_greedy(url, batch, max_tokens=MAX_TOKENS, concurrency=concurrency, model=model_name(cluster), **kw)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus samples of an instance, keyed by the sample line's name{labels} (engine label kept)."""
+    out = {}
+    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
+
+
+def wait_idle(url: str, timeout: float) -> float:
+    """Wait until the instance's KV cache usage is back to 0 (no running request, no held block);
+    returns the seconds it took, fails the test at the deadline."""
+    start = time.monotonic()
+    while True:
+        samples = metrics(url)
+        usage = metric(samples, "vllm:kv_cache_usage_perc")
+        running = metric(samples, "vllm:num_requests_running") + metric(samples, "vllm:num_requests_waiting")
+        if usage == 0 and running == 0:
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout, f"{url}: KV usage {usage}, {running} requests after {timeout} s"
+        time.sleep(0.5)

@@ -1,0 +1,34 @@
+import time
+
+from pdserve.config import TransferMode
+from pdserve.connector.metadata import HoldSpec, RecvSpec
+from pdserve.control.messages import ReadDone, Release, RemoteBlocks, WriteDone
+from tests.unit.connector.harness import D_IDENTITY, P_ADDRESS, P_IDENTITY, Pair
+
+
+def test_hold_failed_by_an_early_release_is_not_confirmable():
+    """D gave up (Release) before P's worker saw the hold: P frees the blocks at once, so a later
+    ReadDone for them must be refused."""
+    with Pair(TransferMode.READ) as pair:
+        pair.p.engine.on_message(D_IDENTITY, Release("t1"))
+        pair.pump(sides=(pair.p,))  # held early
+        pair.p.engine.add_hold(HoldSpec("req-p", "t1", (0, 1), time.time() + 30))
+        pair.p.finished_req_ids.add("req-p")
+        pair.pump(sides=(pair.p,))
+        assert pair.p.sending == {"req-p"}  # P frees the blocks
+        assert not pair.p.engine.answer_read_done(ReadDone("t1", [0, 1])).ok
+
+
+def test_engine_keeps_no_state_for_requests_it_never_transferred():
+    with Pair(TransferMode.WRITE) as pair:
+        for i in range(1000):
+            pair.d.engine.take_finished({f"req-{i}"})
+        assert len(pair.d.engine._finished_requests) == 0  # noqa: SLF001
+
+
+def test_recv_failed_by_an_early_write_done_does_not_announce_blocks():
+    with Pair(TransferMode.WRITE) as pair:
+        pair.d.engine.on_message(P_IDENTITY, WriteDone("t1", False, "prefill ended"))
+        pair.pump(sides=(pair.d,))
+        pair.d.engine.add_recv(RecvSpec("req-d", "t1", TransferMode.WRITE, P_ADDRESS, (1, 2), 0, None, None))
+        assert pair.d.notifier.messages(RemoteBlocks) == []
