@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.bench.plan import BenchPlan, Point, Workload
+from pdserve.bench.plan import BenchPlan, Workload
 from pdserve.bench.slo import SLO
 
 

@@ -4,7 +4,6 @@ import time
 
 import pytest
 
-from pdserve.bench import loadgen
 from pdserve.bench.loadgen import BenchClientError, BenchCommand, run_bench
 from pdserve.bench.plan import Workload
 
