@@ -94,7 +94,9 @@ class LauncherDeployer:
         cluster = launch.up(options)
         try:
             cluster.wait_healthy(self.startup_timeout_s)
-            yield Endpoint(cluster.endpoint, expect_model(cluster.endpoint, request.model_dir))
+            # PD routers do not all answer /v1/models: ask an instance which model is served.
+            instance_url = next(iter(cluster.instance_urls.values()))
+            yield Endpoint(cluster.endpoint, expect_model(instance_url, request.model_dir))
         finally:
             cluster.stop()
 
