@@ -378,7 +378,7 @@ class TransferEngine:
         if track:
             self._transfers.pop(t.transfer_id, None)
             self._remember_terminal(t.transfer_id)
-        self.stats.copy_seconds += sum(h.seconds or 0.0 for h in t.handles)
+        self.stats.copy_seconds += sum(h.copy_seconds or 0.0 for h in t.handles)
         self.stats.copy_bytes += sum(h.num_bytes for h in t.handles if h.status is TransferStatus.DONE)
         if t.state is TransferState.DONE:
             self.stats.num_completed += 1

@@ -27,6 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(func=run_up)
     demo = subparsers.add_parser("demo", help="bring up a deployment, run a short client session, shut down")
     _add_up_options(demo)
+    demo.set_defaults(mode="write")  # the demo shows disaggregation; `--mode collocated` for the baseline
     demo.add_argument("--requests", type=int, default=8, help="number of client requests")
     demo.set_defaults(func=run_demo)
 
@@ -142,7 +143,7 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         cluster = started(options)
         print(f"OpenAI endpoint: {cluster.endpoint}/v1", flush=True)
-        client_session(cluster.endpoint, args.requests)
+        client_session(cluster.endpoint, args.requests, cluster.instance_urls)
         return 0
     except (KeyboardInterrupt, _Terminated):
         return 130

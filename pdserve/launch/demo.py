@@ -20,12 +20,23 @@ class RequestTiming:
     num_tokens: int
     ttft_s: float
     mean_itl_s: float
+    kv_bytes: float = 0.0  # KV moved from prefill to decode for this request (PD modes)
 
 
-def model_id(endpoint: str) -> str:
-    response = requests.get(f"{endpoint}/v1/models", timeout=30)
+def model_id(url: str) -> str:
+    """The served model's id, asked of an instance (vllm-router's PD mode does not list models)."""
+    response = requests.get(f"{url}/v1/models", timeout=30)
     response.raise_for_status()
     return response.json()["data"][0]["id"]
+
+
+def kv_bytes_received(decode_url: str | None) -> float:
+    """The decode instance's `pdserve:kv_transfer_bytes_total`; 0 without a decode instance."""
+    if decode_url is None:
+        return 0.0
+    text = requests.get(f"{decode_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:kv_transfer_bytes_total"))
 
 
 def stream_completion(endpoint: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> RequestTiming:
@@ -57,12 +68,17 @@ def demo_prompts(count: int) -> list[str]:
     return [text[i * 997: i * 997 + 200 + 400 * i] for i in range(count)]
 
 
-def client_session(endpoint: str, num_requests: int) -> list[RequestTiming]:
-    model = model_id(endpoint)
+def client_session(endpoint: str, num_requests: int, instance_urls: dict[str, str] | None = None) -> list[RequestTiming]:
+    urls = instance_urls or {"endpoint": endpoint}
+    model = model_id(next(iter(urls.values())))
+    decode_url = urls.get("decode")
     timings = []
     for i, prompt in enumerate(demo_prompts(num_requests)):
+        before = kv_bytes_received(decode_url)
         t = stream_completion(endpoint, model, prompt)
+        t = RequestTiming(t.prompt_chars, t.num_tokens, t.ttft_s, t.mean_itl_s, kv_bytes_received(decode_url) - before)
         timings.append(t)
+        moved = f", KV moved {t.kv_bytes / 2**20:6.2f} MiB" if decode_url else ""
         print(f"request {i + 1}: prompt {t.prompt_chars:5d} chars, {t.num_tokens} tokens, "
-              f"TTFT {t.ttft_s * 1e3:7.1f} ms, mean ITL {t.mean_itl_s * 1e3:6.1f} ms", flush=True)
+              f"TTFT {t.ttft_s * 1e3:7.1f} ms, mean ITL {t.mean_itl_s * 1e3:6.1f} ms{moved}", flush=True)
     return timings

@@ -96,6 +96,7 @@ class TransferHandle:
         self.error: str | None = None
         self.started = time.monotonic()
         self.finished: float | None = None
+        self.copy_seconds: float | None = None  # time spent copying, queueing excluded (set by the backend)
         self._done = threading.Event()
 
     @property

@@ -11,6 +11,7 @@ import ctypes
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -166,11 +167,13 @@ class ShmTransport(Transport):
             if self._closed:
                 job.handle.finish(TransferStatus.FAILED, f"transport {self.name} closed before the transfer ran")
                 continue
+            began = time.perf_counter()
             try:
                 with self._mapping_lock:
                     error = self._execute(job)
             except Exception as e:  # noqa: BLE001 - a failure must reach the handle, not kill the thread
                 error = f"copy failed: {type(e).__name__}: {e}"
+            job.handle.copy_seconds = time.perf_counter() - began
             if error is None:
                 job.handle.finish(TransferStatus.DONE)
             else:

@@ -22,7 +22,7 @@ CHUNK_TOKENS = 512  # P's --max-num-batched-tokens: longer prompts are prefilled
 MAX_TOKENS = 32
 # Deadlines short enough that a failure test finishes quickly, long enough for a loaded 2-core box.
 LOG_DIR = cache_dir() / "test-logs"  # the processes' logs are kept here after each test cluster stops
-TIMEOUTS = {"transfer_timeout": 10, "defer_timeout": 15, "handshake_timeout": 5, "release_grace": 2}
+TIMEOUTS = {"transfer_timeout": 30, "defer_timeout": 40, "handshake_timeout": 10, "release_grace": 2}
 
 
 def prompts(count: int = 40, seed: int = 1234) -> list[list[int]]:
