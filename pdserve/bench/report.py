@@ -87,9 +87,9 @@ def _headline(plan: BenchPlan, curves: dict, slo_name: str, slo_text: str) -> li
 
 def _goodput(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
     bases = [b for b in BASELINES if (b, slo_name) in curves]
-    head = "| configuration | goodput (req/s) | step | per seed | " + " | ".join(f"÷ {b}" for b in bases) + " |"
-    lines = [f"### Goodput (≥ {plan.target:.0%} attainment)", "", head,
-             "|---|---|---|---|" + "---|" * len(bases)]
+    head = ["configuration", "goodput (req/s)", "step", "per seed", *(f"÷ {b}" for b in bases)]
+    lines = [f"### Goodput (≥ {plan.target:.0%} attainment)", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
     for config in plan.configs:
         cv: Curve | None = curves.get((config, slo_name))
         if cv is None:
@@ -99,8 +99,8 @@ def _goodput(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
         flag = " (non-monotonic)" if g.non_monotonic else ""
         step = f"{g.step:g}" if g.bound is not Bound.UPPER else "—"
         seeds = ", ".join(str(s) for s in cv.seed_goodputs)
-        ratios = " | ".join("—" if b == config else ratio(g, curves[(b, slo_name)].goodput) for b in bases)
-        lines.append(f"| {config} | {g}{flag} | {step} | {seeds} | {ratios} |")
+        ratios = ["—" if b == config else ratio(g, curves[(b, slo_name)].goodput) for b in bases]
+        lines.append("| " + " | ".join([config, f"{g}{flag}", step, seeds, *ratios]) + " |")
     return lines + [""]
 
 

@@ -91,3 +91,15 @@ def test_report_marks_missing_points(measured, tmp_path):
     text = write_report(plan, partial, tmp_path / "partial.md")
     assert "Incomplete: 6 of 12 points" in text
     assert "| round-robin | not measured |" in text
+
+
+def test_goodput_table_without_baselines_has_consistent_columns(measured, tmp_path):
+    plan, _, runs = measured
+    import dataclasses
+
+    renamed = dataclasses.replace(plan, configs=("collocated",))
+    only = {p: r for p, r in runs.items() if p.config == "collocated"}
+    text = write_report(renamed, only, tmp_path / "one.md")
+    rows = [line for line in text.splitlines() if line.startswith("| collocated | 2.00")]
+    header = next(line for line in text.splitlines() if line.startswith("| configuration | goodput"))
+    assert rows and all(row.count("|") == header.count("|") for row in rows)
