@@ -52,16 +52,15 @@ class Runner:
         check_available(self.deployer, self.plan.configs)
         todo = [p for p in self.plan.points() if not self.results.is_done(p)]
         progress = progress or Progress(self.estimate_s(todo), len(todo))
-        chunked_tokens = self._chunk_budget(progress) if "chunked" in self.plan.configs else None
         failures = []
         for config in self.plan.configs:
             points = [p for p in todo if p.config == config]
             if not points:
                 continue
-            extra = ("--max-num-batched-tokens", str(chunked_tokens)) if config == "chunked" else ()
-            try:
+            try:  # a failing configuration does not stop the others; a re-run retries it
+                extra = ("--max-num-batched-tokens", str(self._chunk_budget(progress))) if config == "chunked" else ()
                 self._measure(config, points, extra, progress)
-            except PDServeError as exc:  # the other configurations still run; a re-run retries this one
+            except PDServeError as exc:
                 failures.append(f"{config}: {exc}")
                 progress.event(f"{config} FAILED: {exc}")
             self.write_report()
@@ -79,7 +78,8 @@ class Runner:
         return work
 
     def write_report(self) -> Path:
-        self.results.notes_path.write_text(json.dumps(self.notes, indent=2) + "\n")
+        notes = [*self.notes, *filter(None, [self._chunk_note()])]
+        self.results.notes_path.write_text(json.dumps(notes, indent=2) + "\n")
         return publish(self.plan, self.results)
 
     def _point_s(self, rate: float) -> float:
@@ -103,17 +103,23 @@ class Runner:
     def _chunk_budget(self, progress: Progress) -> int:
         """The chunked configuration's token budget: tuned once (tune.json), else the plan's value."""
         if not self.plan.chunk_candidates:
-            self.notes.append(f"chunked: --max-num-batched-tokens {self.plan.chunked_tokens} (fixed by the plan).")
             return self.plan.chunked_tokens
         if not self.results.tune_path.exists():
             trials = [self._chunk_trial(budget, progress) for budget in self.plan.chunk_candidates]
             self.results.tune_path.write_text(tune.to_json(trials, tune.choose(self.plan, trials)))
+        return tune.chosen_from_json(self.results.tune_path.read_text())
+
+    def _chunk_note(self) -> str | None:
+        if "chunked" not in self.plan.configs:
+            return None
+        if not self.plan.chunk_candidates:
+            return f"chunked: --max-num-batched-tokens {self.plan.chunked_tokens} (fixed by the plan)."
+        if not self.results.tune_path.exists():
+            return None
         chosen = tune.chosen_from_json(self.results.tune_path.read_text())
-        self.notes.append(
-            f"chunked: --max-num-batched-tokens {chosen}, tuned over {list(self.plan.chunk_candidates)} at "
-            f"{self.plan.headline:g} req/s (least p90 max gap among budgets keeping TTFT attainment >= "
-            f"{self.plan.target:.0%}; trials in tune.json).")
-        return chosen
+        return (f"chunked: --max-num-batched-tokens {chosen}, tuned over {list(self.plan.chunk_candidates)} at "
+                f"{self.plan.headline:g} req/s (least p90 max gap among budgets keeping TTFT attainment >= "
+                f"{self.plan.target:.0%}; trials in tune.json).")
 
     def _chunk_trial(self, budget: int, progress: Progress) -> tune.ChunkTrial:
         name = f"chunk{budget}"

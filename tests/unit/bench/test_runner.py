@@ -119,6 +119,12 @@ def test_chunked_is_tuned_once_and_uses_the_chosen_budget(tmp_path, no_plots):
     tuned = json.loads((tmp_path / "run" / "tune.json").read_text())
     assert tuned["chosen"] == 128 and len(tuned["trials"]) == 2
     assert "--max-num-batched-tokens 128, tuned over [128, 256]" in (tmp_path / "run" / "report.md").read_text()
+    # resumed with everything done: no deployment, no tuning, the note stays in the report
+    deployer = FakeDeployer()
+    runner, progress = make(tmp_path, plan, deployer, bench)
+    runner.run(progress)
+    assert deployer.log == []
+    assert "--max-num-batched-tokens 128, tuned over [128, 256]" in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_a_failing_configuration_does_not_stop_the_others(tmp_path, no_plots):
