@@ -67,8 +67,11 @@ def _segments() -> set[str]:
 
 
 def model_name(cluster: Cluster) -> str:
-    url = next(iter(cluster.instance_urls.values()))
-    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    """The served model (asked once: later an instance may have been killed on purpose)."""
+    if not hasattr(cluster, "model_name"):
+        url = next(iter(cluster.instance_urls.values()))
+        cluster.model_name = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    return cluster.model_name
 
 
 def wait_routable(cluster: Cluster, timeout: float = 60) -> None:

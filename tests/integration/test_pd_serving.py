@@ -155,7 +155,7 @@ def test_unknown_transfer_ids_and_garbage_control_messages_are_rejected(pd, refe
     try:
         for port in (PORTS[pd.mode] + 5, PORTS[pd.mode] + 8):
             sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.LINGER, 2000)  # deliver before close
             sock.connect(f"tcp://127.0.0.1:{port}")
             sock.send(b"\x00garbage that is not a message")
             forged = Codec(b"wrong secret", "intruder").encode(Release("tx-1"))
@@ -168,6 +168,8 @@ def test_unknown_transfer_ids_and_garbage_control_messages_are_rejected(pd, refe
     output = greedy(pd.endpoint, pd, PROMPTS[:4])
     assert compare_greedy(reference[:4], output).ok
     assert "rejected a message" in _log(pd, "decode") and "rejected a message" in _log(pd, "prefill")
+    rejected = [metric(metrics(url), "pdserve:control_messages_rejected_total") for url in (pd.prefill_url, pd.decode_url)]
+    assert all(count >= 2 for count in rejected), rejected
 
 
 def test_client_disconnect_mid_stream_leaks_nothing(pd, reference):
