@@ -44,8 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunked-tokens", type=int, help="fixed --max-num-batched-tokens for `chunked` (no tuning)")
     p.add_argument("--chunk-candidates", help="comma list of budgets to tune `chunked` over")
     p.add_argument("--out", type=Path, help="results directory (default <project>/benchmarks/<preset>)")
-    p.add_argument("--port", type=int, default=38000,
-                   help="client-facing port of each deployment; it uses the next 9 too (default 38000)")
+    p.add_argument("--port", type=int, default=18800,
+                   help="client-facing port of each deployment; it uses the next 9 too (default 18800; keep it below the kernel's ephemeral range, 32768+)")
     p.add_argument("--report-only", action="store_true", help="rewrite report and plots from existing results")
     p.set_defaults(func=run)
 

@@ -55,7 +55,7 @@ def served_model(base_url: str, timeout_s: float = 10.0) -> str:
         raise LaunchError(f"{base_url}/v1/models did not name a model: {exc}") from exc
 
 
-BENCH_PORT = 38000  # client-facing port; instances and router take the next few
+BENCH_PORT = 18800  # client-facing port; instances and router take the next few
 
 
 def expect_model(base_url: str, model_dir: Path) -> str:
@@ -68,7 +68,7 @@ def expect_model(base_url: str, model_dir: Path) -> str:
 
 
 class LauncherDeployer:
-    """The real deployer: `pdserve.launch` modes, brought up from code on ports 38000-38009."""
+    """The real deployer: `pdserve.launch` modes, brought up from code on ports 18800-18809."""
 
     def __init__(self, port: int = BENCH_PORT, startup_timeout_s: float = 600.0) -> None:
         self.port = port

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdserve.config import parse_connector_config
-from pdserve.connector.metadata import PDConnectorMetadata
+from pdserve.connector.metadata import StepPlan
 from pdserve.connector.registration import RouterRegistration
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
@@ -50,6 +50,13 @@ def _model_fingerprint(vllm_config) -> dict:
         "block_size": vllm_config.cache_config.block_size,
         "vllm": vllm.__version__,
     }
+
+
+class PDConnectorMetadata(KVConnectorMetadata):
+    """vLLM's per-step connector metadata: carries the scheduler half's StepPlan to the worker."""
+
+    def __init__(self, plan: StepPlan):
+        self.plan = plan
 
 
 class PDConnector(KVConnectorBase_V1):
@@ -82,7 +89,7 @@ class PDConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return PDConnectorMetadata(self._scheduler.build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.update_connector_output(connector_output)
@@ -101,7 +108,7 @@ class PDConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, PDConnectorMetadata)
-        self._worker.bind(connector_metadata)
+        self._worker.bind(connector_metadata.plan)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         pass  # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS until they land

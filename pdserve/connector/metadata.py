@@ -1,10 +1,10 @@
-"""What the scheduler half tells the worker half each step (pickled by vLLM's executor)."""
+"""What the scheduler half tells the worker half each step: a `StepPlan` (pickled by vLLM's
+executor inside the facade's `PDConnectorMetadata`). Free of vLLM, so the state machines can be
+tested without it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from pdserve.config import TransferMode
 from pdserve.control.address import PeerAddress
@@ -55,7 +55,7 @@ class CancelSpec:
 
 
 @dataclass
-class PDConnectorMetadata(KVConnectorMetadata):
+class StepPlan:
     sends: list[SendSpec] = field(default_factory=list)
     holds: list[HoldSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)

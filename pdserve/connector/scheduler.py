@@ -1,7 +1,7 @@
 """The scheduler half of PDConnector: decides, per request, what the worker half must move.
 
 It runs in vLLM's EngineCore process, sees `Request` objects and block ids, and tells the
-worker half what to do through `PDConnectorMetadata` once per step. It opens no data-plane
+worker half what to do through a `StepPlan` once per step. It opens no data-plane
 socket; the only network it touches is the router registration heartbeat.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
-from pdserve.connector.metadata import CancelSpec, HoldSpec, PDConnectorMetadata, RecvSpec, SendSpec
+from pdserve.connector.metadata import CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
 from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params
 
@@ -42,7 +42,7 @@ class PDScheduler:
         self._recv_params: dict[str, TransferParams | ProtocolError] = {}
         self._receiving: set[str] = set()  # RecvSpec emitted
         self._cancelled: set[str] = set()
-        self._meta = PDConnectorMetadata()
+        self._meta = StepPlan()
 
     # ---- shared ----------------------------------------------------------------------------
 
@@ -52,10 +52,10 @@ class PDScheduler:
     def _num_prompt_blocks(self, request) -> int:
         return math.ceil(request.num_prompt_tokens / self._block_size)
 
-    def build_connector_meta(self, scheduler_output) -> PDConnectorMetadata:
+    def build_connector_meta(self, scheduler_output) -> StepPlan:
         if self._config.role is Role.PRODUCER:
             self._emit_due_sends(scheduler_output.num_scheduled_tokens)
-        meta, self._meta = self._meta, PDConnectorMetadata()
+        meta, self._meta = self._meta, StepPlan()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
@@ -215,6 +215,5 @@ class PDScheduler:
 
 
 def _finished_by_length(request) -> bool:
-    from vllm.v1.request import RequestStatus
-
-    return request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    """Only a prefill leg that stopped at its max_tokens handed over its KV (not one aborted)."""
+    return getattr(request.status, "name", None) == "FINISHED_LENGTH_CAPPED"

@@ -16,7 +16,7 @@ import secrets
 from pdserve.config import ConnectorConfig
 from pdserve.connector.engine import Finished, TransferEngine
 from pdserve.connector.layout import KvLayout, LayerPlacement, check_compatible, cpu_isa
-from pdserve.connector.metadata import PDConnectorMetadata
+from pdserve.connector.metadata import StepPlan
 from pdserve.connector.peers import HandshakeResult
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
@@ -151,7 +151,7 @@ class PDWorker:
 
     # ---- vLLM hooks (worker thread) ------------------------------------------------------
 
-    def bind(self, meta: PDConnectorMetadata) -> None:
+    def bind(self, meta: StepPlan) -> None:
         engine = self._engine
         engine.begin_step()
         for spec in meta.cancels:

@@ -38,7 +38,7 @@ class Deployment:
 
 Planner = Callable[[UpOptions], Deployment]
 MODES: dict[str, Planner] = {}
-PLUGIN_MODULES = ("pdserve.connector.modes",)  # optional modules that register PD modes
+PLUGIN_MODULES = ("pdserve.connector.modes", "pdserve.launch.nixl_mode")  # optional modules that register PD modes
 
 
 def register(name: str) -> Callable[[Planner], Planner]:

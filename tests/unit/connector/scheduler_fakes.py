@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.v1.request import RequestStatus
+from tests.unit.connector.request_status import RequestStatus
 
 from pdserve.config import TransferMode
 from pdserve.connector.scheduler import PDScheduler

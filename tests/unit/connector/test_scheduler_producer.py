@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from vllm.v1.request import RequestStatus
+from tests.unit.connector.request_status import RequestStatus
 
 from pdserve.config import Role, TransferMode
 from pdserve.connector.metadata import CancelSpec, HoldSpec, SendSpec

@@ -160,10 +160,11 @@ def test_close_fails_queued_transfers_joins_thread_and_leaves_no_file(local_segm
     t = ShmTransport(name="closing")
     t.register_region(0, local_segment.address, local_segment.size, local_segment.name)
     t.attach_peer("p", [_descriptor_of(remote)])
-    release = threading.Event()
-    t.set_copy_hook(lambda direction, ranges: release.wait(10))
+    release, entered = threading.Event(), threading.Event()
+    t.set_copy_hook(lambda direction, ranges: (entered.set(), release.wait(10)))
     first = t.submit("p", Direction.WRITE, [RegionOps(0, (CopyOp(0, 0, 8),))])
     queued = t.submit("p", Direction.WRITE, [RegionOps(0, (CopyOp(0, 0, 8),))])
+    assert entered.wait(10)  # the copy thread is inside the first transfer
     threading.Timer(0.1, release.set).start()
     t.close()
     t.close()
