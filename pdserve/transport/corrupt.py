@@ -2,8 +2,10 @@
 
 Enabled by the connector's test switch to prove that the decode side really computes from the
 transferred KV (wrong bytes must show up as wrong output, or be caught). After each batch's copies,
-before its handle turns DONE, every destination byte is inverted (XOR 0xFF): on a WRITE that is
-the peer's memory, on a READ our own.
+before its handle turns DONE, the top bit of every second byte is flipped (XOR 0x80 on odd
+offsets): on a WRITE in the peer's memory, on a READ in our own. For little-endian 16-bit floats
+(the bf16 KV cache) that negates every value and keeps it finite, so the model runs on and answers
+with wrong tokens instead of NaNs.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, Trans
 
 
 def invert_bytes(ranges: list[tuple[int, int]]) -> None:
-    """XOR 0xFF every byte of each (address, length) range, in place."""
+    """XOR 0x80 every odd-offset byte of each (address, length) range, in place."""
     for address, length in ranges:
         if length <= 0:
             continue
         view = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
-        np.bitwise_xor(view, 0xFF, out=view)
+        np.bitwise_xor(view[1::2], 0x80, out=view[1::2])
 
 
 class CorruptingTransport(Transport):
