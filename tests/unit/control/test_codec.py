@@ -139,6 +139,7 @@ def test_nonce_cache_stays_bounded():
     ],
 )
 def test_malformed_envelopes_are_rejected_with_the_reason(codec, envelope, error):
+    envelope = {**envelope, "ts": time.time()}  # built at collection time: make it fresh, not stale
     with pytest.raises(ProtocolError) as info:
         codec.decode(_frame(envelope))
     assert error in str(info.value)
