@@ -31,10 +31,13 @@ def secret_file() -> Path:
 
 
 def transfer_config(role: str, mode: str, http_port: int, handshake_port: int, notify_port: int,
-                    discovery_port: int, extra: dict | None = None) -> str:
+                    discovery_port: int, extra: dict | None = None, by_name: bool = False) -> str:
+    """vLLM's --kv-transfer-config for one instance. `by_name` relies on the `pdserve` vLLM plugin
+    entry point to register the connector name instead of naming the module."""
+    location = {} if by_name else {"kv_connector_module_path": "pdserve.connector"}
     return json.dumps({
         "kv_connector": "PDConnector",
-        "kv_connector_module_path": "pdserve.connector",
+        **location,
         "kv_role": role,
         "kv_connector_extra_config": {
             "read_mode": mode == "read",
@@ -51,9 +54,9 @@ def transfer_config(role: str, mode: str, http_port: int, handshake_port: int, n
 
 
 def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = None,
-                  decode_extra: dict | None = None) -> Deployment:
+                  decode_extra: dict | None = None, by_name: bool = False) -> Deployment:
     """The P+D deployment; `connector_extra` goes into both instances' extra config,
-    `decode_extra` into D's only (tests use it to give D a different layout)."""
+    `decode_extra` into D's only."""
     if len(options.cores) < 2:
         raise ConfigError(f"{mode} mode needs two cores (P and D each get one)")
     base = options.port
@@ -63,7 +66,7 @@ def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = 
         http_port = base + 1 + i
         extra = {**(connector_extra or {}), **((decode_extra or {}) if role == "kv_consumer" else {})}
         spec = plain_instance(options, name, http_port, (options.cores[i],), role=name)
-        config = transfer_config(role, mode, http_port, base + 5 + 2 * i, base + 6 + 2 * i, discovery, extra)
+        config = transfer_config(role, mode, http_port, base + 5 + 2 * i, base + 6 + 2 * i, discovery, extra, by_name)
         instances.append(dataclasses.replace(spec, extra_args=("--kv-transfer-config", config)))
     router = RouterSpec(
         port=base, prometheus_port=base + 3, policy="round_robin",

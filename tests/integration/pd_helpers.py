@@ -74,6 +74,14 @@ def model_name(cluster: Cluster) -> str:
     return cluster.model_name
 
 
+def wait_registered(cluster: Cluster, timeout: float = 60) -> None:
+    """Until vllm-router has both P and D registered (its /health answers 200)."""
+    deadline = time.monotonic() + timeout
+    while requests.get(f"{cluster.endpoint}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "P and D never registered with the router"
+        time.sleep(0.5)
+
+
 def wait_routable(cluster: Cluster, timeout: float = 60) -> None:
     """vllm-router learns P and D from their registration heartbeats; wait until a request passes."""
     deadline = time.monotonic() + timeout

@@ -25,9 +25,11 @@ PROMPTS = prompts(8, seed=99)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    with pd_cluster("collocated", 28600) as cluster:
-        return greedy(cluster.endpoint, cluster, PROMPTS)
+def reference(greedy_reference):
+    if "faults8" not in greedy_reference:
+        with pd_cluster("collocated", 28600) as cluster:
+            greedy_reference["faults8"] = greedy(cluster.endpoint, cluster, PROMPTS)
+    return greedy_reference["faults8"]
 
 
 @pytest.fixture(scope="module", params=["write", "read"])

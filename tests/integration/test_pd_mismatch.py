@@ -1,0 +1,70 @@
+"""P and D whose KV layouts differ (D runs with 64-token blocks, P with 128): the handshake is
+refused with a message naming the difference, every request fails fast instead of producing
+tokens from misread KV, and both instances stay clean and keep serving plain requests. Both modes:
+in WRITE, P is the one that handshakes; in READ, D is. These instances load the connector by its
+bare name, through pdserve's vLLM plugin entry point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import requests
+
+from pdserve.compare import compare_greedy
+from pdserve.connector.modes import pd_deployment
+from pdserve.launch import Cluster
+from tests.integration.pd_helpers import (
+    LOG_DIR,
+    TIMEOUTS,
+    greedy,
+    model_name,
+    options,
+    pd_cluster,
+    prompts,
+    wait_idle,
+    wait_registered,
+)
+
+pytestmark = pytest.mark.integration
+
+PORTS = {"write": 28800, "read": 28900}
+PROMPTS = prompts(8, seed=99)  # the fault tests' prompts: their collocated reference is reused
+
+
+@pytest.fixture(scope="module")
+def reference(greedy_reference):
+    if "faults8" not in greedy_reference:
+        with pd_cluster("collocated", 28600) as cluster:
+            greedy_reference["faults8"] = greedy(cluster.endpoint, cluster, PROMPTS)
+    return greedy_reference["faults8"][:3]
+
+
+@pytest.mark.parametrize("mode", ["write", "read"])
+def test_incompatible_peers_refuse_and_both_keep_serving(mode, reference):
+    opts = options(mode, PORTS[mode])
+    deployment = pd_deployment(opts, mode, connector_extra=TIMEOUTS, by_name=True)  # via the vLLM plugin
+    prefill, decode = deployment.instances
+    decode = dataclasses.replace(decode, extra_args=(*decode.extra_args, "--block-size", "64"))
+    cluster = Cluster(dataclasses.replace(deployment, instances=(prefill, decode)), log_dir=LOG_DIR / f"mismatch-{mode}")
+    cluster.start()
+    try:
+        cluster.wait_healthy(600)
+        wait_registered(cluster)
+        model = model_name(cluster)
+        started = time.monotonic()
+        response = requests.post(f"{cluster.endpoint}/v1/completions", timeout=120, json={
+            "model": model, "prompt": PROMPTS[0], "max_tokens": 8})
+        took = time.monotonic() - started
+        assert response.status_code != 200, response.text
+        assert took < TIMEOUTS["transfer_timeout"] + TIMEOUTS["release_grace"] + 15, f"took {took:.1f} s"
+        logs = {name: (cluster.run_dir / f"{name}.log").read_text(errors="replace") for name in ("prefill", "decode")}
+        assert any("incompatible KV cache" in text and "block_size" in text for text in logs.values())
+        for name, url in cluster.instance_urls.items():
+            wait_idle(url, timeout=TIMEOUTS["defer_timeout"] + 30)
+            plain = greedy(url, cluster, PROMPTS[:3], concurrency=1)
+            assert compare_greedy(reference, plain).ok, name
+    finally:
+        cluster.stop()
