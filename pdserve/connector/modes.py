@@ -54,9 +54,8 @@ def transfer_config(role: str, mode: str, http_port: int, handshake_port: int, n
 
 
 def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = None,
-                  decode_extra: dict | None = None, by_name: bool = False) -> Deployment:
-    """The P+D deployment; `connector_extra` goes into both instances' extra config,
-    `decode_extra` into D's only."""
+                  by_name: bool = False) -> Deployment:
+    """The P+D deployment; `connector_extra` goes into both instances' kv_connector_extra_config."""
     if len(options.cores) < 2:
         raise ConfigError(f"{mode} mode needs two cores (P and D each get one)")
     base = options.port
@@ -64,9 +63,8 @@ def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = 
     instances = []
     for i, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
         http_port = base + 1 + i
-        extra = {**(connector_extra or {}), **((decode_extra or {}) if role == "kv_consumer" else {})}
         spec = plain_instance(options, name, http_port, (options.cores[i],), role=name)
-        config = transfer_config(role, mode, http_port, base + 5 + 2 * i, base + 6 + 2 * i, discovery, extra, by_name)
+        config = transfer_config(role, mode, http_port, base + 5 + 2 * i, base + 6 + 2 * i, discovery, connector_extra, by_name)
         instances.append(dataclasses.replace(spec, extra_args=("--kv-transfer-config", config)))
     router = RouterSpec(
         port=base, prometheus_port=base + 3, policy="round_robin",
