@@ -71,7 +71,7 @@ def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = 
         extra_args=("--vllm-pd-disaggregation", "--kv-connector", "moriio",
                     "--vllm-discovery-address", f"{HOST}:{discovery}"),
     )
-    return Deployment(tuple(instances), router)
+    return Deployment(tuple(instances), router, extra_ports=(discovery, *range(base + 5, base + 9)))
 
 
 @register("write")

@@ -23,6 +23,7 @@ class Deployment:
 
     instances: tuple[InstanceSpec, ...]
     router: RouterSpec | None = None
+    extra_ports: tuple[int, ...] = ()  # other ports the launch binds (PD control plane, discovery)
 
     @property
     def endpoint(self) -> str:
@@ -33,7 +34,7 @@ class Deployment:
         ports = [i.port for i in self.instances]
         if self.router:
             ports += [self.router.port, self.router.prometheus_port]
-        return tuple(ports)
+        return (*ports, *self.extra_ports)
 
 
 Planner = Callable[[UpOptions], Deployment]
