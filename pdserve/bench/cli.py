@@ -46,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, help="results directory (default <project>/benchmarks/<preset>)")
     p.add_argument("--port", type=int, default=18800,
                    help="client-facing port of each deployment; it uses the next 9 too (default 18800; keep it below the kernel's ephemeral range, 32768+)")
-    p.add_argument("--report-only", action="store_true", help="rewrite report and plots from existing results")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite report and plots from existing results (with --slo: for those SLOs instead)")
     p.set_defaults(func=run)
 
 
@@ -83,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
     if args.report_only:
         from pdserve.bench.runner import publish
 
-        print(publish(results.open_plan(None), results))
+        plan = results.open_plan(None)
+        if args.slo:  # other SLO definitions, evaluated on the same measured requests
+            plan = dataclasses.replace(plan, slos=tuple(SLO.parse(s) for s in args.slo))
+        print(publish(plan, results))
         return 0
     plan = results.open_plan(build_plan(args))
     from pdserve.bench.deployment import LauncherDeployer
