@@ -62,6 +62,25 @@ def pd_cluster(mode: str, port: int, **connector_extra) -> Iterator[Cluster]:
     assert not leftovers, f"shared memory left behind: {sorted(leftovers)}"
 
 
+@contextmanager
+def pd_pair(mode: str, port: int, **connector_extra) -> Iterator[Cluster]:
+    """pd_cluster for write/read, with `mode`, `prefill_url` and `decode_url` set on the cluster."""
+    with pd_cluster(mode, port, **connector_extra) as cluster:
+        cluster.mode = mode
+        cluster.prefill_url = cluster.instance_urls["prefill"]
+        cluster.decode_url = cluster.instance_urls["decode"]
+        yield cluster
+
+
+def collocated_reference(cache: dict, key: str, batch: list, port: int) -> list:
+    """A collocated single instance's greedy output for `batch` (8 at a time, logprobs on),
+    computed once per test session and kept in `cache` under `key`."""
+    if key not in cache:
+        with pd_cluster("collocated", port) as cluster:
+            cache[key] = greedy(cluster.endpoint, cluster, batch)
+    return cache[key]
+
+
 def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("pdserve-")}
 

@@ -16,7 +16,17 @@ import pytest
 import requests
 
 from pdserve.compare import compare_greedy
-from tests.integration.pd_helpers import TIMEOUTS, greedy, metric, metrics, model_name, pd_cluster, prompts, wait_idle
+from tests.integration.pd_helpers import (
+    TIMEOUTS,
+    collocated_reference,
+    greedy,
+    metric,
+    metrics,
+    model_name,
+    pd_pair,
+    prompts,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -26,18 +36,12 @@ PROMPTS = prompts(8, seed=99)
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference):
-    if "faults8" not in greedy_reference:
-        with pd_cluster("collocated", 28600) as cluster:
-            greedy_reference["faults8"] = greedy(cluster.endpoint, cluster, PROMPTS)
-    return greedy_reference["faults8"]
+    return collocated_reference(greedy_reference, "faults8", PROMPTS, 28600)
 
 
 @pytest.fixture(scope="module", params=["write", "read"])
 def corrupted(request, reference):
-    with pd_cluster(request.param, PORTS[request.param], test_corrupt_transfers=True) as cluster:
-        cluster.mode = request.param
-        cluster.prefill_url = cluster.instance_urls["prefill"]
-        cluster.decode_url = cluster.instance_urls["decode"]
+    with pd_pair(request.param, PORTS[request.param], test_corrupt_transfers=True) as cluster:
         yield cluster
 
 

@@ -19,10 +19,10 @@ from pdserve.launch import Cluster
 from tests.integration.pd_helpers import (
     LOG_DIR,
     TIMEOUTS,
+    collocated_reference,
     greedy,
     model_name,
     options,
-    pd_cluster,
     prompts,
     wait_idle,
     wait_registered,
@@ -36,10 +36,7 @@ PROMPTS = prompts(8, seed=99)  # the fault tests' prompts: their collocated refe
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference):
-    if "faults8" not in greedy_reference:
-        with pd_cluster("collocated", 28600) as cluster:
-            greedy_reference["faults8"] = greedy(cluster.endpoint, cluster, PROMPTS)
-    return greedy_reference["faults8"][:3]
+    return collocated_reference(greedy_reference, "faults8", PROMPTS, 28600)[:3]
 
 
 @pytest.mark.parametrize("mode", ["write", "read"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -25,11 +24,12 @@ from pdserve.control.secret import load_secret
 from tests.integration.pd_helpers import (
     CHUNK_TOKENS,
     TIMEOUTS,
+    collocated_reference,
     greedy,
     metric,
     metrics,
     model_name,
-    pd_cluster,
+    pd_pair,
     prompts,
     wait_idle,
 )
@@ -42,19 +42,12 @@ PROMPTS = prompts()
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference):
-    """A collocated single instance's greedy output for PROMPTS (8 at a time, logprobs on)."""
-    if "pd40" not in greedy_reference:
-        with pd_cluster("collocated", 28300) as cluster:
-            greedy_reference["pd40"] = greedy(cluster.endpoint, cluster, PROMPTS)
-    return greedy_reference["pd40"]
+    return collocated_reference(greedy_reference, "pd40", PROMPTS, 28300)
 
 
 @pytest.fixture(scope="module", params=["write", "read"])
 def pd(request, reference):
-    with pd_cluster(request.param, PORTS[request.param]) as cluster:
-        cluster.mode = request.param
-        cluster.prefill_url = cluster.instance_urls["prefill"]
-        cluster.decode_url = cluster.instance_urls["decode"]
+    with pd_pair(request.param, PORTS[request.param]) as cluster:
         yield cluster
 
 
