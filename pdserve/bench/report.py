@@ -35,7 +35,7 @@ def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path,
     curves = {(c, slo.name): cv for c in plan.configs for slo in plan.slos
               if (cv := curve(plan, runs, c, slo)) is not None}
     missing = [p.key for p in plan.points() if p not in runs]
-    lines = [f"# pdserve bench report", "",
+    lines = ["# pdserve bench report", "",
              f"Generated {datetime.datetime.now().isoformat(timespec='seconds')}. " + _setup(plan), ""]
     if missing:
         lines += [f"**Incomplete: {len(missing)} of {len(plan.points())} points not measured** "

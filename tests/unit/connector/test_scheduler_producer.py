@@ -8,7 +8,7 @@ import pytest
 from tests.unit.connector.request_status import RequestStatus
 
 from pdserve.config import Role, TransferMode
-from pdserve.connector.metadata import CancelSpec, HoldSpec, SendSpec
+from pdserve.connector.metadata import HoldSpec, SendSpec
 from pdserve.params import parse_transfer_params
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS
 from tests.unit.connector.scheduler_fakes import (

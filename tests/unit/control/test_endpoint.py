@@ -8,7 +8,7 @@ import zmq
 from pdserve.control.codec import Codec
 from pdserve.control.endpoint import Client, Server
 from pdserve.control.messages import HandshakeRefused, HandshakeRequest, Ping, Pong, Release
-from pdserve.errors import AddressInUseError, AuthenticationError, HandshakeError
+from pdserve.errors import AddressInUseError, HandshakeError
 
 SECRET = b"endpoint-secret"
 

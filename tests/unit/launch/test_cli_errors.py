@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from pdserve.launch.process import group_members
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess:

@@ -57,7 +57,6 @@ def test_sweep_removes_dead_pids_segment_but_not_a_live_ones():
 
 
 def test_unlinked_segment_is_reachable_through_proc_fd_and_leaves_no_name():
-    import multiprocessing as mp
 
     seg = SharedSegment.create(segment_name("t", "procfd"), 4096)
     original = os.path.join("/dev/shm", seg.name)

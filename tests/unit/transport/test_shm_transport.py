@@ -119,7 +119,7 @@ def test_missing_or_short_peer_segment_fails_attach_naming_each_region(transport
         transport.attach_peer("peer", bad)
     message = str(info.value)
     assert "peer 'peer'" in message and "region 0" in message and "does not exist" in message
-    assert f"region 1" in message and f"has {local_segment.size} bytes, need {local_segment.size * 2}" in message
+    assert "region 1" in message and f"has {local_segment.size} bytes, need {local_segment.size * 2}" in message
     assert "region 2 has no shm segment name" in message
     status, handle = _run(transport, Direction.WRITE, [CopyOp(0, 0, 1)])
     assert status is TransferStatus.FAILED and "'peer' is not attached" in handle.error, "a failed attach detaches"
