@@ -12,7 +12,7 @@ import pytest
 from pdserve.cli import main
 from pdserve.launch.ports import port_free
 
-PORT = 18900  # not the CLI default 18800, so a manual `pdserve bench` and this test do not collide
+PORT = 18700  # not the CLI default 18800 (nor the unit tests' 18900s), so a manual `pdserve bench` and this test do not collide
 
 
 @pytest.mark.integration
