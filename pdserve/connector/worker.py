@@ -8,6 +8,7 @@ host. Each step it hands the scheduler's decisions and the forward pass's progre
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -191,10 +192,7 @@ class PDWorker:
         if not (stats.num_completed or stats.num_failed or new_rejections):
             return None
         self._engine.stats = type(stats)()
-        return {"num_completed": stats.num_completed, "num_failed": stats.num_failed,
-                "num_bytes": stats.num_bytes, "seconds": stats.seconds,
-                "copy_seconds": stats.copy_seconds, "copy_bytes": stats.copy_bytes,
-                "num_rejected": new_rejections}
+        return {**dataclasses.asdict(stats), "num_rejected": new_rejections}
 
     def shutdown(self) -> None:
         for server in self._servers:
