@@ -8,7 +8,9 @@ Environment variables are read here and nowhere else in the connector.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping
@@ -16,6 +18,9 @@ from typing import Any, Mapping
 from pdserve.errors import ConfigError
 
 SECRET_FILE_ENV = "PDSERVE_SECRET_FILE"
+FAULT_PLAN_ENV = "PDSERVE_FAULT_PLAN"  # test-only: path of a fault plan (pdserve/faults)
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+_HOST_NAME = re.compile(r"^(?=.*[A-Za-z])[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
 
 class TransferMode(Enum):
@@ -45,7 +50,11 @@ class ConnectorConfig:
     defer_timeout: float  # P: seconds it holds blocks waiting for D (announce or release)
     release_grace: float  # D: seconds it waits for P to confirm no more writes after giving up
     heartbeat_interval: float
+    allowed_peers: tuple[str, ...]  # IP networks (CIDR) or exact host names this instance may contact
+    peer_idle_timeout: float  # seconds after which a peer with no transfer is forgotten
+    load_failure_policy: str  # "recompute": D prefills a request itself when its KV cannot arrive
     test_corrupt_transfers: bool  # test-only: flip bytes after every copy
+    test_fault_plan: str | None  # test-only: fault-injection plan file (pdserve/faults)
 
     @property
     def engine_id(self) -> str:
@@ -59,7 +68,8 @@ class ConnectorConfig:
 _KNOWN_KEYS = {
     "handshake_port", "notify_port", "read_mode", "host_ip", "proxy_ip", "proxy_ping_port",
     "http_port", "transfer_timeout", "defer_timeout", "handshake_timeout", "release_grace",
-    "heartbeat_interval", "transport", "secret_file", "test_corrupt_transfers",
+    "heartbeat_interval", "transport", "secret_file", "test_corrupt_transfers", "allowed_peers",
+    "peer_idle_timeout", "load_failure_policy", "test_fault_plan",
 }
 
 
@@ -93,6 +103,23 @@ def _seconds(key: str, value: Any) -> float:
     if not 0 < seconds < float("inf"):
         raise ConfigError(f"kv_connector_extra_config.{key} must be positive and finite, got {seconds}")
     return seconds
+
+
+def _allowed_peers(value: Any, host_ip: str) -> tuple[str, ...]:
+    if value is None:
+        return ("127.0.0.0/8", "::1/128", host_ip)
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) and i.strip() for i in items):
+        raise ConfigError(f"kv_connector_extra_config.allowed_peers must be a list of networks or hosts, got {value!r}")
+    out = tuple(i.strip() for i in items)
+    for item in out:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            if not _HOST_NAME.match(item):
+                raise ConfigError(f"kv_connector_extra_config.allowed_peers: {item!r} is neither an IP network "
+                                  "nor a host name") from None
+    return out
 
 
 def parse_connector_config(
@@ -142,5 +169,16 @@ def parse_connector_config(
         defer_timeout=_seconds("defer_timeout", extra.get("defer_timeout", 60.0)),
         release_grace=_seconds("release_grace", extra.get("release_grace", 2.0)),
         heartbeat_interval=_seconds("heartbeat_interval", extra.get("heartbeat_interval", 1.0)),
+        allowed_peers=_allowed_peers(extra.get("allowed_peers"), str(extra.get("host_ip", "127.0.0.1"))),
+        peer_idle_timeout=_seconds("peer_idle_timeout", extra.get("peer_idle_timeout", 300.0)),
+        load_failure_policy=_policy(extra.get("load_failure_policy", "recompute")),
         test_corrupt_transfers=_bool("test_corrupt_transfers", extra.get("test_corrupt_transfers", False)),
+        test_fault_plan=str(extra.get("test_fault_plan") or env.get(FAULT_PLAN_ENV) or "") or None,
     )
+
+
+def _policy(value: Any) -> str:
+    if value not in LOAD_FAILURE_POLICIES:
+        raise ConfigError(f"kv_connector_extra_config.load_failure_policy must be one of "
+                          f"{', '.join(LOAD_FAILURE_POLICIES)}, got {value!r}")
+    return value

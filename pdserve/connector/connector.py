@@ -52,6 +52,18 @@ def _model_fingerprint(vllm_config) -> dict:
     }
 
 
+def _apply_load_failure_policy(transfer_config, policy: str) -> None:
+    """pdserve's `load_failure_policy` (default "recompute") decides what vLLM does with a request
+    whose KV did not arrive: prefill it on D (correct tokens, counted in
+    pdserve:kv_recomputed_total) or fail it. vLLM's scheduler reads its own field right after
+    creating this connector."""
+    if transfer_config.kv_load_failure_policy != policy:
+        logging.getLogger("pdserve.connector").info(
+            "pdserve: kv_load_failure_policy %s (pdserve's load_failure_policy; vLLM's field said %s)",
+            policy, transfer_config.kv_load_failure_policy)
+    transfer_config.kv_load_failure_policy = policy
+
+
 class PDConnectorMetadata(KVConnectorMetadata):
     """vLLM's per-step connector metadata: carries the scheduler half's StepPlan to the worker."""
 
@@ -71,6 +83,7 @@ class PDConnector(KVConnectorBase_V1):
         self._worker: PDWorker | None = None
         self._registration: RouterRegistration | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _apply_load_failure_policy(transfer_config, self._config.load_failure_policy)
             self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size)
             if self._config.proxy_ip:
                 self._registration = RouterRegistration(self._config)

@@ -5,9 +5,15 @@ The worker half feeds it what the scheduler decided (`add_send`, `add_hold`, `ad
 the control-plane threads), then asks `take_finished` which requests are done. Everything but
 `on_message` runs on the worker thread, so transfer objects need no locks.
 
-Failure rules enforced here: every transfer has a deadline; a terminal transfer ignores late
-messages; a message that arrives before its transfer is known is held (with a deadline) and
-applied when the transfer appears; D never reports success unless every byte landed.
+Failure rules enforced here:
+- every transfer has a deadline; a terminal transfer ignores late messages; a message that
+  arrives before its transfer is known is held (with a deadline) and applied when it appears;
+- a transfer is bound to one peer incarnation: messages from any other are ignored, copies go
+  only to that incarnation's mapping, and a restart or death of that incarnation fails it;
+- both sides must name the same prompt (digest) and the same number of blocks;
+- D never reports success unless every byte landed, and never reports failure (which lets vLLM
+  reuse or recompute into the blocks) while P could still write them: only after P confirmed it
+  stopped, P's incarnation provably died, or P's write fence (`write_by`) has passed.
 """
 
 from __future__ import annotations
@@ -16,17 +22,16 @@ import logging
 import queue
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
+from pdserve.connector.allowlist import PeerAllowList
 from pdserve.connector.layout import KvLayout
 from pdserve.connector.metadata import CancelSpec, HoldSpec, RecvSpec, SendSpec
 from pdserve.connector.peers import HandshakeResult, Peer, PeerState, PeerTable
 from pdserve.connector.transfer import Side, Transfer, TransferState
 from pdserve.control.address import PeerAddress
-from pdserve.connector.holds import HoldBook
 from pdserve.control.messages import ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
 from pdserve.errors import PDServeError
 from pdserve.transport.base import Direction, Transport, TransferStatus
@@ -34,16 +39,17 @@ from pdserve.transport.base import Direction, Transport, TransferStatus
 logger = logging.getLogger("pdserve.connector")
 
 MAX_TERMINAL_IDS = 4096
-HOLD_MARGIN_S = 0.5  # D refuses a READ result this close to P's hold expiry
+MAX_EARLY_IDS = 4096
+LIVENESS_EVERY_S = 0.5
 
 
 class Notifier(Protocol):
-    def notify(self, address: PeerAddress, message) -> None:
-        """Send a message to the peer's notify port; never blocks for long, never raises."""
+    def notify(self, address: PeerAddress, message, recipient: str) -> bool:
+        """Queue a message for incarnation `recipient` at the peer's notify port; never blocks,
+        never raises; False when it could not be queued."""
 
-    def ask(self, address: PeerAddress, message):
-        """Send a request to the peer's handshake port and return its reply; raises PDServeError.
-        Called on a background thread."""
+    def forget(self, address: PeerAddress) -> None:
+        """Drop whatever is still queued for the peer at `address` (it restarted or was evicted)."""
 
 
 @dataclass
@@ -61,6 +67,8 @@ class TransferStats:
     seconds: list[float] = field(default_factory=list)  # per transfer: announced/held -> done
     copy_seconds: float = 0.0  # time the transport spent copying (sum over batches)
     copy_bytes: int = 0  # bytes this side's transport copied
+    num_fenced: int = 0  # transfers failed because their peer incarnation restarted or died
+    num_refused: int = 0  # transfers refused because their peer is not in allowed_peers
 
 
 class TransferEngine:
@@ -71,22 +79,22 @@ class TransferEngine:
         self._transport = transport
         self._notifier = notifier
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._peers = PeerTable(transport, handshake, self._inbox.put)
+        self._allow = PeerAllowList(config.allowed_peers)
+        self._peers = PeerTable(transport, handshake, self._inbox.put, self._allow, config.peer_idle_timeout)
         self._transfers: dict[str, Transfer] = {}
-        self._early: dict[str, list[tuple[float, str, object]]] = {}  # transfer_id -> (expiry, sender, msg)
+        self._early: OrderedDict[str, list[tuple[float, str, object]]] = OrderedDict()
         self._terminal: OrderedDict[str, None] = OrderedDict()
         self._step_sends: list[Transfer] = []
         self._finished_requests: set[str] = set()
         self._sent: set[str] = set()  # request ids whose send side is over, not yet reported
         self._finished = Finished()
-        self._holds = HoldBook()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-confirm")
+        self._next_liveness = 0.0
         self.stats = TransferStats()
 
     # ---- inputs ----------------------------------------------------------------------------
 
     def on_message(self, sender: str, message) -> None:
-        """Thread-safe: called by control-plane server threads."""
+        """Thread-safe: called by control-plane server threads with an authenticated message."""
         self._inbox.put((sender, message))
 
     def begin_step(self) -> None:
@@ -94,47 +102,44 @@ class TransferEngine:
 
     def add_send(self, spec: SendSpec) -> None:
         t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.WRITE, spec.peer,
-                     spec.block_ids, time.monotonic() + self._config.defer_timeout)
+                     spec.block_ids, time.monotonic() + self._config.defer_timeout, prompt_hash=spec.prompt_hash)
         if self._admit(t):
             self._step_sends.append(t)
-            self._peers.lookup(t.peer)
+            self._peers.lookup(t.peer)  # handshake while the forward pass runs
 
     def add_hold(self, spec: HoldSpec) -> None:
         deadline = time.monotonic() + max(0.0, spec.expires_at - time.time())
-        t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.READ, None, spec.block_ids, deadline)
+        t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.READ, None, spec.block_ids, deadline,
+                     prompt_hash=spec.prompt_hash)
         self._admit(t)
-
-    def answer_read_done(self, message: ReadDone) -> ReadAck:
-        """Thread-safe (control-plane server thread): D finished reading; confirm and release."""
-        error = self._holds.take(message.transfer_id, tuple(message.block_ids), wait_s=0.5)
-        if not error:
-            self._inbox.put(("released", message.transfer_id))
-        return ReadAck(message.transfer_id, not error, error)
 
     def add_recv(self, spec: RecvSpec) -> None:
         t = Transfer(spec.transfer_id, spec.request_id, Side.RECV, spec.mode, spec.peer, spec.block_ids,
-                     time.monotonic() + self._config.transfer_timeout, spec.remote_block_ids, spec.first_block)
+                     time.monotonic() + self._config.transfer_timeout, spec.remote_block_ids, spec.first_block,
+                     prompt_hash=spec.prompt_hash)
         if spec.error:
             t.fail(spec.error)
-            self._finish(t)
+            self._finish(t, track=False)
             return
-        if not self._admit(t) or t.state.is_terminal:
-            return
-        if t.mode is TransferMode.WRITE:
-            self._notifier.notify(t.peer, RemoteBlocks(t.transfer_id, list(t.local_block_ids), t.first_block))
-        else:
-            t.hold_expires_at = spec.hold_expires_at
-            self._peers.lookup(t.peer)
-            self._try_read(t)
+        t.hold_expires_at = spec.hold_expires_at
+        if self._admit(t) and not t.state.is_terminal:
+            self._bind(t)
 
     def cancel(self, spec: CancelSpec) -> None:
-        """The scheduler decided this transfer will not happen: tell the peer to let go."""
+        """The scheduler decided this transfer will not happen (or must stop: a preempted
+        prefill's blocks are already freed): stop it and tell the peer to let go."""
+        t = self._transfers.get(spec.transfer_id)
+        if t is not None:
+            self._stop(t, spec.reason, tell_peer=True)
+            return
+        if spec.transfer_id in self._terminal:
+            return
         self._remember_terminal(spec.transfer_id)
         self._early.pop(spec.transfer_id, None)
         if self._config.role is Role.PRODUCER:
-            self._notifier.notify(spec.peer, WriteDone(spec.transfer_id, False, spec.reason))
+            self._send(spec.peer, WriteDone(spec.transfer_id, False, spec.reason))
         else:
-            self._notifier.notify(spec.peer, Release(spec.transfer_id))
+            self._send(spec.peer, Release(spec.transfer_id))
 
     def layer_ready(self, layer_index: int) -> None:
         """P WRITE: the forward pass has just computed `layer_index` for this step's sends."""
@@ -163,13 +168,21 @@ class TransferEngine:
             except queue.Empty:
                 break
         now = time.monotonic()
+        if now >= self._next_liveness:
+            self._next_liveness = now + LIVENESS_EVERY_S
+            self._check_peers()
         for t in list(self._transfers.values()):
             self._check_copies(t)
             if not t.state.is_terminal and now > t.deadline:
                 self._expire(t)
         for tid, items in list(self._early.items()):
-            items[:] = [item for item in items if item[0] > now]
-            if not items:
+            kept = [item for item in items if item[0] > now]
+            for _, sender, message in (item for item in items if item[0] <= now):
+                if isinstance(message, ReadDone):
+                    self._ack(sender, message, f"no KV is held for transfer {tid} (unknown or expired)")
+            if kept:
+                items[:] = kept
+            else:
                 del self._early[tid]
 
     def take_finished(self, finished_req_ids: set[str]) -> Finished:
@@ -185,11 +198,14 @@ class TransferEngine:
     def has_active(self) -> bool:
         return bool(self._transfers)
 
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
         self._peers.close()
 
-    # ---- internals -------------------------------------------------------------------------
+    # ---- events ----------------------------------------------------------------------------
 
     def _admit(self, t: Transfer) -> bool:
         if t.transfer_id in self._transfers or t.transfer_id in self._terminal:
@@ -197,10 +213,9 @@ class TransferEngine:
             self._finish(t, track=False)
             return False
         self._transfers[t.transfer_id] = t
-        if t.side is Side.SEND and t.mode is TransferMode.READ:
-            self._holds.add(t.transfer_id, t.local_block_ids)  # before early messages: a Release drops it
         for _, sender, message in self._early.pop(t.transfer_id, ()):
-            self._on_transfer_message(t, sender, message)
+            if not t.state.is_terminal:
+                self._on_transfer_message(t, sender, message)
         return True
 
     def _apply(self, event) -> None:
@@ -209,81 +224,218 @@ class TransferEngine:
             if peer is not None:
                 self._on_peer(peer)
             return
-        if event[0] == "released":  # P READ: D confirmed its read (answer_read_done)
-            t = self._transfers.get(event[1])
-            if t is not None and not t.state.is_terminal:
-                t.succeed()
-                self._finish(t)
-            return
-        if event[0] == "read_ack":  # D READ: P's answer to our ReadDone
-            self._on_read_ack(event[1], event[2])
-            return
         sender, message = event
-        tid = getattr(message, "transfer_id", None)
-        if tid is None or tid in self._terminal:
-            return
+        tid = message.transfer_id
         t = self._transfers.get(tid)
-        if t is None:
+        if t is not None:
+            self._on_transfer_message(t, sender, message)
+        elif tid in self._terminal:
+            if isinstance(message, ReadDone):
+                self._ack(sender, message, f"transfer {tid} is over: its KV was released or expired")
+        else:
+            if tid not in self._early and len(self._early) >= MAX_EARLY_IDS:
+                self._early.popitem(last=False)
             expiry = time.monotonic() + self._config.defer_timeout
             self._early.setdefault(tid, []).append((expiry, sender, message))
-            return
-        self._on_transfer_message(t, sender, message)
 
     def _on_transfer_message(self, t: Transfer, sender: str, message) -> None:
-        if isinstance(message, RemoteBlocks) and t.side is Side.SEND and t.mode is TransferMode.WRITE:
-            t.remote_block_ids, t.first_block = tuple(message.block_ids), message.first_block
-            self._peers.lookup(t.peer, identity=sender)
-            self._try_write(t)
-        elif isinstance(message, Release) and t.side is Side.SEND:
-            if t.mode is TransferMode.READ:  # D gave up before reading
-                self._holds.discard(t.transfer_id)
+        if t.side is Side.RECV and t.peer_identity is None:
+            t.deferred.append((sender, message))  # applied once we know which incarnation is ours
+            return
+        if t.peer_identity is not None and sender != t.peer_identity:
+            logger.warning("pdserve: ignoring %s for transfer %s from %s: it is bound to %s",
+                           type(message).__name__, t.transfer_id, sender, t.peer_identity)
+            return
+        if t.side is Side.SEND and t.mode is TransferMode.WRITE:
+            if isinstance(message, RemoteBlocks):
+                self._on_remote_blocks(t, sender, message)
+            elif isinstance(message, Release):
+                t.peer_identity = sender
+                self._stop(t, "decode released the transfer", tell_peer=True)
+        elif t.side is Side.SEND:  # P READ hold: D comes to us
+            if isinstance(message, ReadDone):
+                self._on_read_done(t, sender, message)
+            elif isinstance(message, Release):
                 t.fail("decode released the held KV without reading it")
                 self._finish(t)
-            else:
-                t.release_requested = True
-                self._check_copies(t)
-        elif isinstance(message, WriteDone) and t.side is Side.RECV and t.mode is TransferMode.WRITE:
-            if t.release_requested:
-                t.fail(t.error or "timed out waiting for the prefill's KV")
-            elif message.ok:
-                t.num_bytes = (len(t.local_block_ids) - t.first_block) * sum(l.block_bytes for l in self._layout.layers)
-                t.succeed()
-            else:
-                t.fail(f"prefill could not deliver the KV: {message.error}")
-            self._finish(t)
+        elif t.mode is TransferMode.WRITE and isinstance(message, WriteDone):
+            self._on_write_done(t, message)
+        elif t.mode is TransferMode.READ and isinstance(message, ReadAck):
+            self._on_read_ack(t, message)
         else:
             logger.warning("pdserve: ignoring %s for %s transfer %s", type(message).__name__, t.side.value, t.transfer_id)
 
+    def _on_remote_blocks(self, t: Transfer, sender: str, message: RemoteBlocks) -> None:
+        if t.remote_block_ids is not None or t.stopping:
+            return  # a duplicate, or too late
+        t.peer_identity = sender
+        if message.prompt_hash != t.prompt_hash:
+            self._stop(t, "decode announced blocks for a different prompt (prompt digests differ)", tell_peer=True)
+            return
+        if len(message.block_ids) != len(t.local_block_ids):
+            self._stop(t, f"block counts differ: prefill has {len(t.local_block_ids)}, decode announced "
+                          f"{len(message.block_ids)}", tell_peer=True)
+            return
+        t.remote_block_ids, t.first_block = tuple(message.block_ids), message.first_block
+        t.write_by = message.write_by
+        t.not_after = time.monotonic() + min(message.write_by - time.time(), self._config.defer_timeout)
+        if t.not_after <= time.monotonic():
+            self._stop(t, "decode's write deadline passed before its blocks could be written", tell_peer=True)
+            return
+        self._try_write(t)
+
+    def _on_write_done(self, t: Transfer, message: WriteDone) -> None:
+        if message.ok and not t.stopping and message.prompt_hash == t.prompt_hash:
+            t.num_bytes = (len(t.local_block_ids) - t.first_block) * sum(l.block_bytes for l in self._layout.layers)
+            t.succeed()
+        elif message.ok and not t.stopping:
+            t.fail("prefill delivered the KV of a different prompt (prompt digests differ)")
+        else:  # P stopped for good: no copy of it can touch our blocks any more
+            t.fail(t.error or f"prefill could not deliver the KV: {message.error}")
+        self._finish(t)
+
+    def _on_read_done(self, t: Transfer, sender: str, message: ReadDone) -> None:
+        if message.prompt_hash != t.prompt_hash:
+            self._ack(sender, message, f"transfer {t.transfer_id} holds the KV of a different prompt")
+        elif tuple(message.block_ids) != t.local_block_ids:
+            self._ack(sender, message, f"transfer {t.transfer_id} holds blocks {list(t.local_block_ids)}, "
+                                       f"not {list(message.block_ids)}")
+        else:
+            t.succeed()
+            self._ack(sender, message, "")
+            self._finish(t)
+
+    def _on_read_ack(self, t: Transfer, message: ReadAck) -> None:
+        if not t.confirming:
+            return
+        if message.ok:
+            t.succeed()
+            self._finish(t)
+        else:
+            self._fail(t, f"prefill did not confirm the KV it held: {message.error}")
+
     def _on_peer(self, peer: Peer) -> None:
+        if peer.state is PeerState.READY:
+            for message in peer.outbox:
+                self._notify(peer.address, message, peer.key)
+        peer.outbox.clear()
         for t in list(self._transfers.values()):
             if t.peer != peer.address or t.state.is_terminal:
                 continue
-            if t.side is Side.SEND:
+            if t.side is Side.RECV:
+                self._bind(t)
+            else:
                 self._try_write(t)
-            elif t.mode is TransferMode.READ:
-                self._try_read(t)
 
-    def _ready_peer(self, t: Transfer) -> Peer | None:
+    # ---- peers -----------------------------------------------------------------------------
+
+    def _bound_peer(self, t: Transfer) -> Peer | None:
+        """The ready peer of `t`'s incarnation, or None (waiting for a handshake, or failed)."""
         peer = self._peers.lookup(t.peer)
         if peer.state is PeerState.FAILED:
+            if not self._allow.allows(t.peer.host):
+                self.stats.num_refused += 1
             self._fail(t, peer.error)
             return None
-        return peer if peer.state is PeerState.READY else None
+        if peer.state is not PeerState.READY or peer.refreshing:
+            return None
+        if peer.incarnation.is_gone():
+            self._peer_gone(peer.address, peer.key)
+            if not t.state.is_terminal and t.peer_identity is None:
+                self._peers.lookup(t.peer)  # handshake whoever listens there now
+            return None
+        if t.peer_identity is None or t.peer_identity == peer.key:
+            return peer
+        if not t.refreshed:  # our view may be stale: the peer at that address may have restarted
+            t.refreshed = True
+            self._peers.refresh(t.peer)
+            return None
+        self.stats.num_fenced += 1
+        self._stop(t, f"peer incarnation {t.peer_identity} is gone ({peer.key} listens there now)", tell_peer=False)
+        return None
+
+    def _bind(self, t: Transfer) -> None:
+        """D: bind to the peer's current incarnation, then announce (WRITE) or read (READ)."""
+        if t.peer_identity is not None:
+            if t.mode is TransferMode.READ:
+                self._try_read(t)
+            return
+        peer = self._bound_peer(t)
+        if peer is None:
+            return
+        t.peer_identity = peer.key
+        if t.mode is TransferMode.WRITE:
+            remaining = max(0.0, t.deadline - time.monotonic())
+            t.write_by = time.time() + remaining
+            t.announced = self._notify(
+                t.peer, RemoteBlocks(t.transfer_id, list(t.local_block_ids), t.first_block, t.prompt_hash, t.write_by),
+                peer.key)
+            if not t.announced:
+                self._fail(t, f"cannot reach the prefill instance at {t.peer.host}:{t.peer.notify_port}")
+                return
+        for sender, message in t.deferred:
+            if not t.state.is_terminal:
+                self._on_transfer_message(t, sender, message)
+        t.deferred.clear()
+        if t.mode is TransferMode.READ and not t.state.is_terminal:
+            self._try_read(t)
+
+    def _send(self, address: PeerAddress | None, message) -> None:
+        """Send to the current incarnation at `address` (after a handshake, if none yet)."""
+        if address is None:
+            return
+        peer = self._peers.lookup(address)
+        if peer.state is PeerState.READY:
+            self._notify(address, message, peer.key)
+        elif peer.state is PeerState.CONNECTING:
+            peer.outbox.append(message)
+
+    def _notify(self, address: PeerAddress, message, recipient: str) -> bool:
+        """Every message leaves through here: only to allowed hosts, always to one incarnation."""
+        if not self._allow.allows(address.host):
+            logger.error("pdserve: not sending %s: %s", type(message).__name__, self._allow.refusal(address.host))
+            return False
+        return self._notifier.notify(address, message, recipient)
+
+    def _ack(self, sender: str, message: ReadDone, error: str) -> None:
+        reply_to = PeerAddress(message.reply_host, 0, message.reply_notify_port)
+        self._notify(reply_to, ReadAck(message.transfer_id, not error, error), sender)
+
+    def _check_peers(self) -> None:
+        for peer in self._peers.gone():
+            self._peer_gone(peer.address, peer.key, already_removed=True)
+        busy = {t.peer for t in self._transfers.values() if t.peer is not None}
+        for peer in self._peers.evict_idle(busy):
+            self._notifier.forget(peer.address)
+
+    def _peer_gone(self, address: PeerAddress, identity: str, already_removed: bool = False) -> None:
+        """Incarnation `identity` died: nothing of it can copy any more; fail what was bound to it."""
+        if not already_removed:
+            self._peers.drop(address)
+        self._notifier.forget(address)
+        for t in list(self._transfers.values()):
+            if t.peer_identity == identity and not t.state.is_terminal:
+                self.stats.num_fenced += 1
+                t.fence_deadline = time.monotonic()  # a dead process writes nothing
+                self._stop(t, f"peer incarnation {identity} died", tell_peer=False)
+
+    # ---- copies ----------------------------------------------------------------------------
 
     def _try_write(self, t: Transfer) -> None:
-        if t.state.is_terminal or t.release_requested or t.remote_block_ids is None:
+        if t.state.is_terminal or t.stopping or t.remote_block_ids is None:
             return
-        peer = self._ready_peer(t)
         layers = t.layers_ready - t.layers_submitted
-        if peer is None or not layers:
+        if not layers:
             return
-        self._submit(t, peer, Direction.WRITE, layers)
-        t.layers_submitted |= layers
+        peer = self._bound_peer(t)
+        if peer is not None:
+            self._submit(t, peer, Direction.WRITE, layers)
+            t.layers_submitted |= layers
 
     def _try_read(self, t: Transfer) -> None:
-        if t.state is not TransferState.WAITING:
+        if t.state is not TransferState.WAITING or t.handles:
             return
-        peer = self._ready_peer(t)
+        peer = self._bound_peer(t)
         if peer is not None:
             self._submit(t, peer, Direction.READ, range(len(self._layout.layers)))
 
@@ -291,88 +443,99 @@ class TransferEngine:
         try:
             batch = self._layout.layer_ops(peer.layout, layers, t.block_pairs())
         except PDServeError as exc:
-            self._fail(t, str(exc))
+            self._stop(t, str(exc), tell_peer=True)
             return
         t.start_copying()
-        handle = self._transport.submit(peer.key, direction, batch)
+        handle = self._transport.submit(peer.key, direction, batch, not_after=t.not_after)
         t.handles.append(handle)
         t.num_bytes += handle.num_bytes
 
     def _check_copies(self, t: Transfer) -> None:
         if t.state.is_terminal or (t.side is Side.SEND and t.mode is TransferMode.READ):
             return
-        statuses = [self._transport.poll(h) for h in t.handles]
-        if TransferStatus.PENDING in statuses:
+        if t.pending_handles:
+            return
+        if t.stopping:
+            self._conclude_stop(t)
             return
         failed = [h.error for h in t.handles if h.status is TransferStatus.FAILED]
         if failed:
-            self._fail(t, f"copy failed: {failed[0]}")
+            self._stop(t, f"copy failed: {failed[0]}", tell_peer=True)
         elif t.side is Side.SEND:
-            if t.release_requested:
-                self._fail(t, "decode released the transfer before it completed")
-            elif t.remote_block_ids is not None and len(t.layers_submitted) == len(self._layout.layers):
+            if t.remote_block_ids is not None and len(t.layers_submitted) == len(self._layout.layers):
                 t.succeed()
-                self._notifier.notify(t.peer, WriteDone(t.transfer_id, True))
+                self._notify(t.peer, WriteDone(t.transfer_id, True, "", t.prompt_hash), t.peer_identity)
                 self._finish(t)
         elif t.mode is TransferMode.READ and t.handles and not t.confirming:
-            if t.hold_expires_at is not None and time.time() > t.hold_expires_at - HOLD_MARGIN_S:
-                self._fail(t, "the prefill instance's hold on the KV expired during the read")
-            else:
-                t.confirming = True
-                self._pool.submit(self._confirm_read, t.peer, t.transfer_id, list(t.remote_block_ids or ()))
+            t.confirming = True
+            self._notify(t.peer, ReadDone(t.transfer_id, list(t.remote_block_ids or ()), t.prompt_hash,
+                                                   self._config.host_ip, self._config.notify_port), t.peer_identity)
 
-    def _confirm_read(self, peer: PeerAddress, transfer_id: str, block_ids: list[int]) -> None:
-        try:
-            reply = self._notifier.ask(peer, ReadDone(transfer_id, block_ids))
-        except PDServeError as exc:
-            reply = exc
-        except Exception as exc:  # a confirmation thread must always report back
-            reply = PDServeError(f"confirming the read failed: {exc}")
-        self._inbox.put(("read_ack", transfer_id, reply))
-
-    def _on_read_ack(self, transfer_id: str, reply) -> None:
-        t = self._transfers.get(transfer_id)
-        if t is None or t.state.is_terminal:
-            return
-        if isinstance(reply, ReadAck) and reply.ok:
-            t.succeed()
-            self._finish(t)
-        elif isinstance(reply, ReadAck):
-            self._fail(t, f"prefill did not confirm the KV it held: {reply.error}")
-        else:
-            self._fail(t, f"prefill did not confirm the KV it held: {reply}")
+    # ---- endings ---------------------------------------------------------------------------
 
     def _expire(self, t: Transfer) -> None:
-        if t.side is Side.RECV and t.mode is TransferMode.WRITE and not t.release_requested:
-            # Tell P to stop, and wait (briefly) for its confirmation that no write is in flight.
-            t.release_requested = True
-            t.error = f"timed out after {self._config.transfer_timeout:.1f} s waiting for the prefill's KV"
-            t.deadline = time.monotonic() + self._config.release_grace
-            self._notifier.notify(t.peer, Release(t.transfer_id))
+        if t.side is Side.RECV and t.mode is TransferMode.WRITE and t.announced and not t.stopping:
+            self._stop(t, f"timed out after {self._config.transfer_timeout:.1f} s waiting for the prefill's KV",
+                       tell_peer=True)
             return
-        if t.side is Side.RECV and t.mode is TransferMode.WRITE:
-            reason = t.error
-        elif t.side is Side.SEND and t.mode is TransferMode.READ:
-            self._holds.discard(t.transfer_id)
+        if t.stopping:
+            self._conclude_stop(t)
+            return
+        if t.side is Side.SEND and t.mode is TransferMode.READ:
             reason = "decode never released the held KV blocks"
         elif t.side is Side.SEND and t.remote_block_ids is None:
             reason = "decode never announced its blocks"
+        elif t.side is Side.RECV and t.peer_identity is None:
+            reason = "could not reach the prefill instance in time"
         else:
             reason = f"timed out in state {t.state.value}"
-        if any(self._transport.poll(h) is TransferStatus.PENDING for h in t.handles):
-            return  # never free memory a copy is still touching; the copy itself is bounded
-        self._fail(t, reason)
+        self._stop(t, reason, tell_peer=True)
 
-    def _fail(self, t: Transfer, reason: str) -> None:
+    def _stop(self, t: Transfer, reason: str, tell_peer: bool) -> None:
+        """Wind `t` down: no new copies, queued ones cancelled; it fails once nothing can touch
+        its blocks any more (see `_conclude_stop`)."""
         if t.state.is_terminal:
             return
-        t.fail(reason)
-        if t.peer is not None:
-            if t.side is Side.SEND and t.mode is TransferMode.WRITE:
-                self._notifier.notify(t.peer, WriteDone(t.transfer_id, False, reason))
-            elif t.side is Side.RECV and t.mode is TransferMode.READ:
-                self._notifier.notify(t.peer, Release(t.transfer_id))
+        first = not t.stopping
+        t.stopping = t.stopping or reason
+        if first:
+            t.error = reason
+            for handle in t.pending_handles:
+                self._transport.cancel(handle)
+            if t.side is Side.RECV and t.mode is TransferMode.WRITE and t.announced and t.fence_deadline is None:
+                fence = (t.write_by or time.time()) - time.time()
+                t.fence_deadline = time.monotonic() + max(0.0, fence) + self._config.release_grace
+                t.deadline = max(t.deadline, t.fence_deadline)
+            if tell_peer and t.peer is not None:
+                self._tell_stopped(t, reason)
+        self._conclude_stop(t)
+
+    def _tell_stopped(self, t: Transfer, reason: str) -> None:
+        if t.side is Side.SEND and t.mode is TransferMode.WRITE:
+            return  # WriteDone(False) goes out in _conclude_stop, once no copy of ours is running
+        message = Release(t.transfer_id)
+        if t.peer_identity is not None:
+            self._notify(t.peer, message, t.peer_identity)
+        elif t.side is Side.RECV and t.mode is TransferMode.READ:
+            self._send(t.peer, message)  # P holds blocks for us; let whoever holds them go
+
+    def _conclude_stop(self, t: Transfer) -> None:
+        if t.state.is_terminal or t.pending_handles:
+            return  # never free memory a copy is still touching; copies are bounded
+        if t.side is Side.RECV and t.mode is TransferMode.WRITE and t.announced:
+            if t.fence_deadline is not None and time.monotonic() < t.fence_deadline:
+                return  # P may still be copying into our blocks: wait for WriteDone or the fence
+        if t.side is Side.SEND and t.mode is TransferMode.WRITE:
+            done = WriteDone(t.transfer_id, False, t.stopping)
+            if t.peer_identity is not None:
+                self._notify(t.peer, done, t.peer_identity)
+            else:
+                self._send(t.peer, done)
+        t.fail(t.stopping or t.error)
         self._finish(t)
+
+    def _fail(self, t: Transfer, reason: str) -> None:
+        self._stop(t, reason, tell_peer=True)
 
     def _finish(self, t: Transfer, track: bool = True) -> None:
         if track:

@@ -18,6 +18,7 @@ class SendSpec:
     transfer_id: str
     peer: PeerAddress
     block_ids: tuple[int, ...]
+    prompt_hash: str
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class HoldSpec:
     transfer_id: str
     block_ids: tuple[int, ...]
     expires_at: float  # unix time
+    prompt_hash: str
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,14 @@ class RecvSpec:
     first_block: int
     remote_block_ids: tuple[int, ...] | None  # READ only
     hold_expires_at: float | None  # READ only
+    prompt_hash: str = ""
     error: str = ""  # the request's kv_transfer_params were malformed: fail it with this message
 
 
 @dataclass(frozen=True)
 class CancelSpec:
-    """Either side: this transfer will not happen; tell the peer so it frees what it holds."""
+    """Either side: this transfer will not happen, or must stop now (a preempted prefill's blocks
+    are already freed); tell the peer so it frees what it holds."""
 
     transfer_id: str
     peer: PeerAddress

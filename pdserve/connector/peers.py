@@ -1,9 +1,11 @@
-"""The peers a worker moves KV with: one handshake per peer instance, cached until it changes.
+"""The peers a worker moves KV with: one handshake per peer incarnation, cached until it changes.
 
 A handshake runs on a background thread (it must never stall a forward pass); its result comes
 back through the worker's inbox and is applied on the worker thread, which alone touches the
-transport. A peer that restarted announces a new identity, which triggers a new handshake: the
-old mapping would point at a dead instance's memory.
+transport. A peer is reached through its address but *is* an incarnation: the transport maps its
+memory under the incarnation's identity, so a restarted peer (a new identity at the same address)
+gets a new mapping and nothing queued for the old one can land in it. Addresses outside the
+allow-list are refused without a handshake; a peer nobody used for `idle_s` is forgotten.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
+from pdserve.connector.allowlist import PeerAllowList
+from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
@@ -23,6 +27,7 @@ from pdserve.transport.base import RegionDescriptor, Transport
 logger = logging.getLogger("pdserve.connector")
 
 RETRY_AFTER_S = 1.0
+HANDSHAKE_THREADS = 4
 
 
 class PeerState(Enum):
@@ -35,22 +40,26 @@ class PeerState(Enum):
 class Peer:
     address: PeerAddress
     state: PeerState = PeerState.CONNECTING
-    identity: str = ""  # the peer instance's identity, from its handshake reply
+    incarnation: Incarnation | None = None
     layout: KvLayout | None = None
     error: str = ""
     failed_at: float = 0.0
+    last_used: float = field(default_factory=time.monotonic)
+    outbox: list = field(default_factory=list)  # messages for whichever incarnation the handshake finds
+    refreshing: bool = False  # a new handshake checks whether another incarnation listens now
 
     @property
     def key(self) -> str:
-        return f"{self.address.host}:{self.address.handshake_port}"
+        """The transport's peer id and the recipient of our messages: the incarnation identity."""
+        return self.incarnation.identity if self.incarnation is not None else ""
 
 
 @dataclass(frozen=True)
 class HandshakeResult:
-    """What a handshake thread hands back: the peer's identity, regions and layout, or an error."""
+    """What a handshake thread hands back: the peer's incarnation, regions and layout, or an error."""
 
     address: PeerAddress
-    identity: str = ""
+    incarnation: Incarnation | None = None
     regions: tuple[RegionDescriptor, ...] = ()
     layout: KvLayout | None = None
     error: str = ""
@@ -61,26 +70,43 @@ class PeerTable:
     must return a HandshakeResult (errors included, never raising)."""
 
     def __init__(self, transport: Transport, handshake: Callable[[PeerAddress], HandshakeResult],
-                 deliver: Callable[[HandshakeResult], None]):
+                 deliver: Callable[[HandshakeResult], None], allow: PeerAllowList, idle_s: float):
         self._transport = transport
         self._handshake = handshake
         self._deliver = deliver
+        self._allow = allow
+        self._idle_s = idle_s
         self._peers: dict[PeerAddress, Peer] = {}
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-handshake")
+        self._pool = ThreadPoolExecutor(max_workers=HANDSHAKE_THREADS, thread_name_prefix="pdserve-handshake")
 
-    def lookup(self, address: PeerAddress, identity: str | None = None) -> Peer:
-        """The peer at `address`, starting a handshake when it is unknown, failed a while ago, or
-        now answers with a different identity than the one we attached."""
+    def lookup(self, address: PeerAddress) -> Peer:
+        """The peer at `address`, starting a handshake when it is unknown or failed a while ago."""
         peer = self._peers.get(address)
-        stale = peer is not None and peer.state is PeerState.READY and identity and identity != peer.identity
-        retry = peer is not None and peer.state is PeerState.FAILED and time.monotonic() - peer.failed_at > RETRY_AFTER_S
-        if peer is None or stale or retry:
-            if stale:
-                logger.info("pdserve: peer %s restarted (%s -> %s), handshaking again", address, peer.identity, identity)
+        if peer is not None and peer.state is PeerState.FAILED and time.monotonic() - peer.failed_at > RETRY_AFTER_S:
+            peer = None
+        if peer is None:
             peer = Peer(address)
             self._peers[address] = peer
-            self._pool.submit(self._run, address)
+            if not self._allow.allows(address.host):
+                peer.state, peer.error, peer.failed_at = PeerState.FAILED, self._allow.refusal(address.host), time.monotonic()
+            else:
+                self._pool.submit(self._run, address)
+        peer.last_used = time.monotonic()
         return peer
+
+    def refresh(self, address: PeerAddress) -> None:
+        """Handshake the ready peer at `address` again (it may have restarted); until the answer
+        comes, the current incarnation stays attached."""
+        peer = self._peers.get(address)
+        if peer is not None and peer.state is PeerState.READY and not peer.refreshing:
+            peer.refreshing = True
+            self._pool.submit(self._run, address)
+
+    def drop(self, address: PeerAddress) -> None:
+        """Forget the peer at `address` and unmap its memory (its incarnation is gone)."""
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            self._detach(peer)
 
     def _run(self, address: PeerAddress) -> None:
         try:
@@ -91,25 +117,78 @@ class PeerTable:
 
     def apply(self, result: HandshakeResult) -> Peer | None:
         peer = self._peers.get(result.address)
-        if peer is None or peer.state is not PeerState.CONNECTING:
-            return peer
-        if not result.error:
-            try:
-                self._transport.attach_peer(peer.key, list(result.regions))
-            except PDServeError as exc:
-                result = HandshakeResult(result.address, error=str(exc))
-            except OSError as exc:
-                result = HandshakeResult(result.address, error=f"cannot map the peer's KV memory: {exc}")
+        if peer is None:
+            return None
+        if peer.refreshing:
+            return self._apply_refresh(peer, result)
+        if peer.state is not PeerState.CONNECTING:
+            return None
+        result = self._attach(result)
         if result.error:
             peer.state, peer.error, peer.failed_at = PeerState.FAILED, result.error, time.monotonic()
+            peer.outbox.clear()
             logger.error("pdserve: %s", result.error)
         else:
-            peer.state, peer.identity, peer.layout = PeerState.READY, result.identity, result.layout
-            logger.info("pdserve: attached peer %s (%s)", peer.key, peer.identity)
+            peer.state, peer.incarnation, peer.layout = PeerState.READY, result.incarnation, result.layout
+            logger.info("pdserve: attached peer %s (%s)", peer.key, _where(peer.address))
         return peer
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for peer in self._peers.values():
+    def _apply_refresh(self, peer: Peer, result: HandshakeResult) -> Peer:
+        peer.refreshing = False
+        if result.error or result.incarnation.identity == peer.key:
+            return peer  # nobody new there: transfers that wanted another incarnation now fail
+        result = self._attach(result)
+        if result.error:
+            return peer
+        logger.info("pdserve: peer %s restarted: %s -> %s", _where(peer.address), peer.key, result.incarnation.identity)
+        self._detach(peer)
+        peer.incarnation, peer.layout = result.incarnation, result.layout
+        return peer
+
+    def _attach(self, result: HandshakeResult) -> HandshakeResult:
+        if result.error:
+            return result
+        try:
+            self._transport.attach_peer(result.incarnation.identity, list(result.regions))
+        except PDServeError as exc:
+            return HandshakeResult(result.address, error=str(exc))
+        except OSError as exc:
+            return HandshakeResult(result.address, error=f"cannot map the peer's KV memory: {exc}")
+        return result
+
+    def gone(self) -> list[Peer]:
+        """Remove and return the ready peers whose incarnation provably died (same host only)."""
+        dead = [p for p in self._peers.values() if p.state is PeerState.READY and p.incarnation.is_gone()]
+        for peer in dead:
+            logger.info("pdserve: peer %s (%s) is gone", peer.key, _where(peer.address))
+            del self._peers[peer.address]
+            self._detach(peer)
+        return dead
+
+    def evict_idle(self, busy: set[PeerAddress]) -> list[Peer]:
+        """Forget peers that no transfer used for `idle_s`; returns them."""
+        cutoff = time.monotonic() - self._idle_s
+        idle = [p for a, p in self._peers.items()
+                if a not in busy and p.state is not PeerState.CONNECTING and p.last_used < cutoff]
+        for peer in idle:
+            del self._peers[peer.address]
+            self._detach(peer)
+        return idle
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def _detach(self, peer: Peer) -> None:
+        if peer.incarnation is not None:
             self._transport.detach_peer(peer.key)
+
+    def close(self) -> None:
+        # A handshake still running ends by its own deadline; nobody waits for a black-hole peer.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for peer in self._peers.values():
+            self._detach(peer)
         self._peers.clear()
+
+
+def _where(address: PeerAddress) -> str:
+    return f"{address.host}:{address.handshake_port}"

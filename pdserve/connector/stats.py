@@ -9,7 +9,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 _EMPTY = {"num_completed": 0, "num_failed": 0, "num_bytes": 0, "seconds": [], "copy_seconds": 0.0, "copy_bytes": 0,
-          "num_rejected": 0}
+          "num_rejected": 0, "num_fenced": 0, "num_refused": 0, "num_recomputed": 0}
+_SUMMED = tuple(k for k, v in _EMPTY.items() if not isinstance(v, list))
 
 
 @dataclass
@@ -22,7 +23,7 @@ class PDConnectorStats(KVConnectorStats):
         self.data = {k: (list(v) if isinstance(v, list) else v) for k, v in _EMPTY.items()}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key in ("num_completed", "num_failed", "num_bytes", "copy_seconds", "copy_bytes", "num_rejected"):
+        for key in _SUMMED:
             self.data[key] += other.data.get(key, 0)
         self.data["seconds"] = self.data["seconds"] + list(other.data.get("seconds", []))
         return self
@@ -61,7 +62,12 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._copy_bytes = counter("pdserve:kv_copy_bytes", "Bytes this instance's transport copied.")
         self._copy_seconds = counter("pdserve:kv_copy_seconds", "Seconds this instance's transport spent copying.")
         self._rejected = counter("pdserve:control_messages_rejected",
-                                 "Control-plane messages rejected (undecodable, unauthenticated, replayed).")
+                                 "Control-plane messages rejected (undecodable, unauthenticated, replayed, fenced).")
+        self._fenced = counter("pdserve:kv_transfers_fenced",
+                               "KV transfers failed because their peer incarnation restarted or died.")
+        self._refused = counter("pdserve:kv_transfers_refused", "KV transfers refused: peer not in allowed_peers.")
+        self._recomputed = counter("pdserve:kv_recomputed",
+                                   "Requests whose KV did not arrive and that decode prefilled itself.")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         self._completed[engine_idx].inc(transfer_stats_data.get("num_completed", 0))
@@ -71,3 +77,6 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._copy_bytes[engine_idx].inc(transfer_stats_data.get("copy_bytes", 0))
         self._copy_seconds[engine_idx].inc(transfer_stats_data.get("copy_seconds", 0.0))
         self._rejected[engine_idx].inc(transfer_stats_data.get("num_rejected", 0))
+        self._fenced[engine_idx].inc(transfer_stats_data.get("num_fenced", 0))
+        self._refused[engine_idx].inc(transfer_stats_data.get("num_refused", 0))
+        self._recomputed[engine_idx].inc(transfer_stats_data.get("num_recomputed", 0))

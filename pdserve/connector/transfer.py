@@ -9,6 +9,12 @@ A transfer moves one request's prompt KV blocks between P and D. Its life:
 WAITING: blocked on the peer (D's block ids or a handshake for a P write; P's `write_done` for a
 D receive; D's `release` for a P hold). COPYING: blocks are moving. DONE and FAILED are
 terminal: a late message for a terminal transfer is ignored and never revives it.
+
+A transfer is bound to one peer *incarnation* (`peer_identity`) the first time it talks to or
+copies with a peer; every later message must come from that incarnation, every copy goes to its
+mapping, and a different incarnation at the same address fails the transfer. A D-side transfer
+reaches FAILED only when no copy can still touch its blocks (P confirmed it stopped, P is
+provably dead, or P's own write fence `write_by` has passed).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from enum import Enum
 from pdserve.config import TransferMode
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
+from pdserve.transport.base import TransferStatus
 
 
 class Side(Enum):
@@ -61,15 +68,23 @@ class Transfer:
     deadline: float  # time.monotonic() after which the transfer fails
     remote_block_ids: tuple[int, ...] | None = None
     first_block: int = 0  # blocks before this index are not moved (D's local prefix hit)
+    prompt_hash: str = ""  # digest of the prompt's token ids (prompt_digest.py)
     state: TransferState = TransferState.WAITING
     error: str = ""
+    peer_identity: str | None = None  # the peer incarnation this transfer is bound to
+    refreshed: bool = False  # the peer was handshaken again once for this transfer
     layers_ready: set[int] = field(default_factory=set)  # P WRITE: layers computed this step
     layers_submitted: set[int] = field(default_factory=set)
     handles: list = field(default_factory=list)
     num_bytes: int = 0
-    release_requested: bool = False  # WRITE: D gave up; P stops writing, then confirms
+    announced: bool = False  # D WRITE: RemoteBlocks sent, so P may write our blocks until write_by
+    write_by: float | None = None  # WRITE: unix time after which P starts no copy (D's fence)
+    not_after: float | None = None  # P WRITE: write_by as this host's monotonic time
+    stopping: str = ""  # why it is winding down: P stops copying / D waits for P to confirm
+    fence_deadline: float | None = None  # D WRITE: monotonic time after which P provably stopped
     hold_expires_at: float | None = None  # D READ: unix time after which P may free its blocks
     confirming: bool = False  # D READ: copies done, waiting for P to confirm it held those blocks
+    deferred: list = field(default_factory=list)  # (sender, message) that arrived before binding
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
 
@@ -102,11 +117,18 @@ class Transfer:
         """One line of state for logs: what a stuck or failed transfer was waiting for."""
         handles = ",".join(h.status.value for h in self.handles) or "none"
         return (f"{self.side.value} {self.mode.value} state={self.state.value} age={self.seconds:.2f}s "
+                f"peer={self.peer_identity or '-'} stopping={self.stopping or '-'} "
                 f"remote_blocks={'yes' if self.remote_block_ids is not None else 'no'} "
                 f"layers ready={len(self.layers_ready)} submitted={len(self.layers_submitted)} copies={handles}")
 
     def block_pairs(self) -> list[tuple[int, int]]:
-        """(local, remote) block pairs to move, from `first_block` on."""
+        """(local, remote) block pairs to move, from `first_block` on. Both sides must name the
+        same number of blocks: a mismatch means the two legs are not the same prompt."""
         remote = self.remote_block_ids or ()
-        count = min(len(self.local_block_ids), len(remote))
-        return [(self.local_block_ids[i], remote[i]) for i in range(self.first_block, count)]
+        if len(remote) != len(self.local_block_ids):
+            raise PDServeError(f"block counts differ: {len(self.local_block_ids)} here, {len(remote)} on the peer")
+        return [(self.local_block_ids[i], remote[i]) for i in range(self.first_block, len(remote))]
+
+    @property
+    def pending_handles(self) -> list:
+        return [h for h in self.handles if h.status is TransferStatus.PENDING]

@@ -15,16 +15,20 @@ import os
 import secrets
 
 from pdserve.config import ConnectorConfig
+from pdserve.config import Role
 from pdserve.connector.engine import Finished, TransferEngine
+from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout, LayerPlacement, check_compatible, cpu_isa
 from pdserve.connector.metadata import StepPlan
 from pdserve.connector.peers import HandshakeResult
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
 from pdserve.control.endpoint import Client, Server
-from pdserve.control.messages import HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong, ReadDone
+from pdserve.control.messages import (HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong, ReadAck,
+                                      ReadDone, Release, RemoteBlocks, WriteDone)
 from pdserve.control.secret import load_secret
 from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
+from pdserve.faults import FaultPlan
 from pdserve.transport.base import RegionDescriptor
 from pdserve.transport.corrupt import CorruptingTransport
 from pdserve.transport.shared_segment import sweep_stale_segments
@@ -34,6 +38,22 @@ from pdserve.transport.shm_tensor import move_tensors_to_shared_memory
 logger = logging.getLogger("pdserve.connector")
 
 IDLE_WAIT_S = 0.002  # an empty engine step waits this long for transfer progress
+TRANSFER_MESSAGES = (RemoteBlocks, WriteDone, Release, ReadDone, ReadAck)
+
+
+def _guarded(hook):
+    """A vLLM hook of the worker half: no exception of ours crosses into vLLM's worker loop.
+    Transfers keep their deadlines, so a failure here ends as a failed (recomputed) transfer."""
+
+    def run(self, *args):
+        try:
+            return hook(self, *args)
+        except Exception:  # noqa: BLE001 - the process boundary with vLLM
+            logger.exception("pdserve: internal error in %s; transfers continue under their deadlines", hook.__name__)
+            return None
+
+    run.__name__ = hook.__name__
+    return run
 
 
 class PDWorker:
@@ -41,8 +61,11 @@ class PDWorker:
         self._config = config
         self._token = secrets.token_hex(4)
         self.identity = f"{config.engine_id}/{os.getpid()}-{self._token}"
+        self.incarnation = Incarnation.this_process(self.identity)
         self._codec = Codec(load_secret(config.secret_file), self.identity)
+        self._faults = FaultPlan.load(config.test_fault_plan)
         shm = ShmTransport()
+        self._faults.install_copy_hook(shm)
         self._transport = CorruptingTransport(shm) if config.test_corrupt_transfers else shm
         self._client = Client(self._codec)
         self._model_fingerprint = model_fingerprint
@@ -79,11 +102,13 @@ class PDWorker:
             layers.append(LayerPlacement(region_ids[id(segment)], placement.byte_offset, block_bytes, tensor.shape[0]))
             self._layer_index[name] = index
         first = next(iter(kv_caches.values()))
+        shapes = "|".join(f"{name}:{t.dtype}:{list(t.shape)}:{t.stride(0)}" for name, t in kv_caches.items())
         self._fingerprint = {
             **self._model_fingerprint,
             "kv_dtype": str(first.dtype),
             "kv_block_shape": list(first.shape[1:]),
             "kv_layers": hashlib.sha256("|".join(kv_caches).encode()).hexdigest()[:16],
+            "kv_layer_shapes": hashlib.sha256(shapes.encode()).hexdigest()[:16],
             "kv_regions": [layer.region_id for layer in layers],
             "cpu_isa": cpu_isa(),
         }
@@ -113,12 +138,15 @@ class PDWorker:
             return HandshakeReply(
                 self.identity, self._fingerprint,
                 [d.to_wire() for d in self._transport.local_descriptors()], self._layout.to_wire(),
+                self.incarnation.pid, self.incarnation.start_time, self.incarnation.boot_id,
             )
         if isinstance(message, Ping):
             return Pong()
-        if isinstance(message, ReadDone):
-            return self._engine.answer_read_done(message)
-        self._engine.on_message(envelope.sender, message)
+        if isinstance(message, TRANSFER_MESSAGES):
+            self._faults.at(f"receive:{message.TAG}")
+            self._engine.on_message(envelope.sender, message)
+        else:
+            logger.warning("pdserve: ignoring a %s sent to a server port by %s", type(message).__name__, envelope.sender)
         return None
 
     def _handshake(self, address: PeerAddress) -> HandshakeResult:
@@ -139,19 +167,26 @@ class PDWorker:
             regions = tuple(RegionDescriptor.from_wire(r) for r in reply.regions)
         except PDServeError as exc:
             return HandshakeResult(address, error=str(exc))
-        return HandshakeResult(address, reply.engine_id, regions, layout)
+        incarnation = Incarnation(reply.engine_id, reply.pid, reply.start_time, reply.boot_id)
+        return HandshakeResult(address, incarnation, regions, layout)
 
-    def ask(self, address: PeerAddress, message):
-        return self._client.request(address.host, address.handshake_port, message, self._config.handshake_timeout)
+    def notify(self, address: PeerAddress, message, recipient: str) -> bool:
+        def send(msg) -> bool:
+            try:
+                self._client.send(address.host, address.notify_port, msg, recipient=recipient)
+                return True
+            except PDServeError as exc:
+                logger.error("pdserve: cannot notify %s:%d: %s", address.host, address.notify_port, exc)
+                return False
 
-    def notify(self, address: PeerAddress, message) -> None:
-        try:
-            self._client.send(address.host, address.notify_port, message)
-        except PDServeError as exc:
-            logger.error("pdserve: cannot notify %s:%d: %s", address.host, address.notify_port, exc)
+        return self._faults.outgoing(message, send)
+
+    def forget(self, address: PeerAddress) -> None:
+        self._client.forget(address.host, address.notify_port)
 
     # ---- vLLM hooks (worker thread) ------------------------------------------------------
 
+    @_guarded
     def bind(self, meta: StepPlan) -> None:
         engine = self._engine
         engine.begin_step()
@@ -167,11 +202,15 @@ class PDWorker:
         self._idle = meta.idle
         engine.pump()
 
+    @_guarded
     def save_kv_layer(self, layer_name: str) -> None:
-        if self._step_sends:
+        index = self._layer_index.get(layer_name)
+        if self._step_sends and index is not None:  # a layer without KV cache of ours has nothing to send
             self._engine.pump()
-            self._engine.layer_ready(self._layer_index[layer_name])
+            self._engine.layer_ready(index)
+            self._faults.at(f"after_layer:{index}")
 
+    @_guarded
     def wait_for_save(self) -> None:
         if self._step_sends:
             self._engine.all_layers_ready()
@@ -180,8 +219,12 @@ class PDWorker:
     def take_finished(self, finished_req_ids: set[str]) -> Finished:
         if self._engine is None:
             return Finished()
-        self._engine.pump(IDLE_WAIT_S if self._idle else 0.0)
-        return self._engine.take_finished(finished_req_ids)
+        try:
+            self._engine.pump(IDLE_WAIT_S if self._idle else 0.0)
+            return self._engine.take_finished(finished_req_ids)
+        except Exception:  # noqa: BLE001 - the process boundary with vLLM
+            logger.exception("pdserve: internal error while collecting finished transfers")
+            return Finished()
 
     def take_stats(self) -> dict | None:
         if self._engine is None:
@@ -192,7 +235,8 @@ class PDWorker:
         if not (stats.num_completed or stats.num_failed or new_rejections):
             return None
         self._engine.stats = type(stats)()
-        return {**dataclasses.asdict(stats), "num_rejected": new_rejections}
+        recomputed = stats.num_failed if self._config.role is Role.CONSUMER and self._config.load_failure_policy == "recompute" else 0
+        return {**dataclasses.asdict(stats), "num_rejected": new_rejections, "num_recomputed": recomputed}
 
     def shutdown(self) -> None:
         for server in self._servers:

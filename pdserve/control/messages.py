@@ -3,13 +3,23 @@
 The codec (codec.py) turns any of them into an authenticated envelope and back; it looks classes
 up in `MESSAGE_TYPES` by tag and checks payload fields against the dataclass annotations, so
 adding a message is adding a class here.
+
+Fencing: every message but the two that open a conversation (HandshakeRequest, Ping) is
+*addressed*: its envelope names the recipient's incarnation (the identity from its handshake),
+and the codec rejects a message addressed to anyone else. A restarted process is a new
+incarnation, so nothing meant for its predecessor ever reaches it. `validate()` checks ranges the
+type annotations cannot express; the codec calls it on every decoded message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import typing
 from dataclasses import dataclass
+
+from pdserve.errors import ProtocolError
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -43,28 +53,72 @@ def field_types(cls) -> dict[str, object]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+MAX_BLOCKS = 1 << 20  # block ids per message: far above any real prompt, far below a memory attack
+MAX_TEXT = 4096
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _check(condition: bool, cls, problem: str) -> None:
+    if not condition:
+        raise ProtocolError(f"{cls.TAG}: {problem}")
+
+
+def _check_transfer_id(msg) -> None:
+    _check(0 < len(msg.transfer_id) <= 256, type(msg), f"transfer_id must be 1..256 characters, got {len(msg.transfer_id)}")
+
+
+def _check_block_ids(msg, block_ids: list[int]) -> None:
+    _check(len(block_ids) <= MAX_BLOCKS, type(msg), f"{len(block_ids)} block ids (max {MAX_BLOCKS})")
+    _check(all(0 <= b < 1 << 40 for b in block_ids), type(msg), "block ids must be non-negative block numbers")
+
+
+def _check_digest(msg, digest: str, allow_empty: bool = False) -> None:
+    _check(bool(_DIGEST.match(digest)) or (allow_empty and digest == ""), type(msg),
+           f"prompt_hash must be 32 lowercase hex digits, got {digest[:40]!r}")
+
+
+def _check_text(msg, name: str, text: str) -> None:
+    _check(len(text) <= MAX_TEXT, type(msg), f"{name} longer than {MAX_TEXT} characters")
+
+
 @message("handshake_request")
 @dataclass(frozen=True)
 class HandshakeRequest:
     """Peer -> handshake server: who I am and my KV layout fingerprint."""
 
+    ADDRESSED = False
     engine_id: str
     fingerprint: dict
+
+    def validate(self) -> None:
+        _check_text(self, "engine_id", self.engine_id)
 
 
 @message("handshake_reply")
 @dataclass(frozen=True)
 class HandshakeReply:
-    """Handshake server -> peer: my fingerprint and how to reach my KV regions.
+    """Handshake server -> peer: my incarnation, fingerprint and how to reach my KV regions.
 
-    `regions` are RegionDescriptor.to_wire() dicts; `layers[i]` places attention layer i:
-    `[region_id, byte offset of block 0, bytes per block, number of blocks]`.
+    `engine_id` is the replying process's incarnation identity (the envelope's sender); `pid`,
+    `start_time` (clock ticks since boot, /proc/<pid>/stat) and `boot_id` let a peer on the same
+    host prove that this incarnation has died. `regions` are RegionDescriptor.to_wire() dicts;
+    `layers[i]` places attention layer i: `[region_id, byte offset of block 0, bytes per block,
+    number of blocks]`.
     """
 
     engine_id: str
     fingerprint: dict
     regions: list[dict]
     layers: list[list[int]]
+    pid: int
+    start_time: int
+    boot_id: str
+
+    def validate(self) -> None:
+        _check_text(self, "engine_id", self.engine_id)
+        _check_text(self, "boot_id", self.boot_id)
+        _check(0 < self.pid < 1 << 32 and 0 <= self.start_time < 1 << 62, type(self), "pid/start_time out of range")
+        _check(len(self.regions) <= 4096 and len(self.layers) <= 4096, type(self), "too many regions or layers")
 
 
 @message("handshake_refused")
@@ -74,39 +128,68 @@ class HandshakeRefused:
 
     reason: str
 
+    def validate(self) -> None:
+        _check_text(self, "reason", self.reason)
+
 
 @message("remote_blocks")
 @dataclass(frozen=True)
 class RemoteBlocks:
-    """D -> P (WRITE mode): D's block ids for the prompt; P writes its blocks [first_block:] there."""
+    """D -> P (WRITE mode): D's block ids for the whole prompt; P writes its blocks [first_block:]
+    there. `prompt_hash` names the prompt those blocks are for; P writes only if its own prompt
+    has the same hash and the same number of blocks. P starts no copy after `write_by` (unix
+    time): after that D may reuse the blocks even if P never answers."""
 
     transfer_id: str
     block_ids: list[int]
     first_block: int
+    prompt_hash: str
+    write_by: float
+
+    def validate(self) -> None:
+        _check_transfer_id(self)
+        _check_block_ids(self, self.block_ids)
+        _check(0 <= self.first_block <= len(self.block_ids), type(self),
+               f"first_block {self.first_block} outside 0..{len(self.block_ids)}")
+        _check_digest(self, self.prompt_hash)
+        _check(math.isfinite(self.write_by), type(self), "write_by must be a finite unix time")
 
 
 @message("write_done")
 @dataclass(frozen=True)
 class WriteDone:
-    """P -> D (WRITE mode): every block of `transfer_id` was written (ok) or the write failed."""
+    """P -> D (WRITE mode): every block of `transfer_id` was written (ok), or P stopped for good
+    (not ok: failed, cancelled, or released by D) and will not write again."""
 
     transfer_id: str
     ok: bool
     error: str = ""
+    prompt_hash: str = ""
+
+    def validate(self) -> None:
+        _check_transfer_id(self)
+        _check_text(self, "error", self.error)
+        _check_digest(self, self.prompt_hash, allow_empty=not self.ok)
 
 
 @message("release")
 @dataclass(frozen=True)
 class Release:
-    """D -> P (READ mode): D finished reading `transfer_id`'s blocks, or aborted; P may free them."""
+    """D -> P: D gave up on `transfer_id` (or never wanted it). WRITE: P stops writing and
+    confirms with WriteDone(ok=False). READ: P frees the blocks it held."""
 
     transfer_id: str
+
+    def validate(self) -> None:
+        _check_transfer_id(self)
 
 
 @message("ping")
 @dataclass(frozen=True)
 class Ping:
-    """Liveness probe; the server answers Pong."""
+    """Liveness probe; the server answers Pong (whose envelope names the live incarnation)."""
+
+    ADDRESSED = False
 
 
 @message("pong")
@@ -118,12 +201,23 @@ class Pong:
 @message("read_done")
 @dataclass(frozen=True)
 class ReadDone:
-    """D -> P (READ mode, request): D read `block_ids` of `transfer_id`; P answers ReadAck and
-    frees them. P says ok only if it held exactly those blocks for that transfer all along, so a
-    read of blocks P never held (stale or forged params) can never pass as a KV transfer."""
+    """D -> P (READ mode): D read `block_ids` of `transfer_id` from this incarnation's memory.
+    P answers ReadAck (to `reply_host`:`reply_notify_port`) and frees them. P says ok only if it
+    still holds exactly those blocks for that transfer and that prompt, so a read of blocks P
+    never held (stale or forged params, a restarted P) can never pass as a KV transfer."""
 
     transfer_id: str
     block_ids: list[int]
+    prompt_hash: str
+    reply_host: str
+    reply_notify_port: int
+
+    def validate(self) -> None:
+        _check_transfer_id(self)
+        _check_block_ids(self, self.block_ids)
+        _check_digest(self, self.prompt_hash)
+        _check(0 < len(self.reply_host) <= 255, type(self), "reply_host must be a host name")
+        _check(0 < self.reply_notify_port < 65536, type(self), f"reply_notify_port {self.reply_notify_port} is not a port")
 
 
 @message("read_ack")
@@ -134,3 +228,7 @@ class ReadAck:
     transfer_id: str
     ok: bool
     error: str = ""
+
+    def validate(self) -> None:
+        _check_transfer_id(self)
+        _check_text(self, "error", self.error)
