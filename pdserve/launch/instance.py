@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pdserve.launch.env import vllm_env
 from pdserve.launch.process import ProcessSpec
+from pdserve.launch.shm_namespace import confine, tmpfs_bytes
 
 HOST = "127.0.0.1"
 
@@ -18,7 +19,8 @@ class InstanceSpec:
 
     role: "both" (plain vLLM), "prefill" or "decode" - informative; a mode puts the role's
     connector flags in extra_args/extra_env. cores: CPUs to pin the process and vLLM's OpenMP
-    threads to (taskset + VLLM_CPU_OMP_THREADS_BIND).
+    threads to (taskset + VLLM_CPU_OMP_THREADS_BIND). shm_limit_bytes: size of the instance's
+    private /dev/shm (its KV cache plus vLLM's own segments; see shm_namespace).
     """
 
     name: str
@@ -29,20 +31,24 @@ class InstanceSpec:
     vllm_args: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
+    shm_limit_bytes: int = tmpfs_bytes(1 << 30)
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
     def process_spec(self, run_dir: Path) -> ProcessSpec:
-        """The command line and environment, with scratch files under run_dir/<name>/."""
+        """The command line and environment, with scratch files under run_dir/<name>/, in a private
+        /dev/shm where the machine allows it (else its leftovers are swept after it stops)."""
         cpu_list = ",".join(map(str, self.cores))
         argv = ("taskset", "-c", cpu_list, sys.executable, "-m", "pdserve.vllm_cli", "serve", self.model,
                 "--host", HOST, "--port", str(self.port), *self.vllm_args, *self.extra_args)
+        confined = confine(argv, self.shm_limit_bytes)
         env = {
             **vllm_env(run_dir / self.name),
             "VLLM_CPU_OMP_THREADS_BIND": cpu_list,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             **self.extra_env,
         }
-        return ProcessSpec(self.name, argv, env, run_dir / f"{self.name}.log", f"{self.url}/health")
+        return ProcessSpec(self.name, confined.argv, env, run_dir / f"{self.name}.log", f"{self.url}/health",
+                           sweep_shm=confined.sweep_shm)

@@ -15,6 +15,7 @@ from pdserve.errors import ConfigError
 from pdserve.launch.instance import InstanceSpec
 from pdserve.launch.options import UpOptions
 from pdserve.launch.router import RouterSpec
+from pdserve.launch.shm_namespace import tmpfs_bytes
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def plan(options: UpOptions) -> Deployment:
 def plain_instance(options: UpOptions, name: str, port: int, cores: tuple[int, ...], role: str = "both") -> InstanceSpec:
     """A vLLM instance with the launch's shared flags; modes add their own via dataclasses.replace."""
     return InstanceSpec(name=name, role=role, port=port, model=options.model, cores=cores,
-                        vllm_args=options.vllm_args())
+                        vllm_args=options.vllm_args(), shm_limit_bytes=tmpfs_bytes(options.kv_cache_bytes))
 
 
 @register("collocated")

@@ -72,6 +72,9 @@ def _nixl_env(side_channel_port: int) -> dict[str, str]:
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "UCX_NET_DEVICES": "lo",
         "UCX_TLS": "self,sm,tcp",
+        # each instance has a private /dev/shm (shm_namespace): UCX's posix shared memory must be
+        # attached through /proc/<pid>/fd (UCX's default, pinned here), never by its /dev/shm name
+        "UCX_POSIX_USE_PROC_LINK": "y",
         "PYTHONPATH": f"{PATCH_DIR}{os.pathsep}{inherited}" if inherited else str(PATCH_DIR),
         "PDSERVE_NIXL_NO_AFFINITY": "1",
         "PDSERVE_NIXL_PTHR_DELAY_US": str(PTHR_DELAY_US),

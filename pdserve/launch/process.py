@@ -14,17 +14,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.errors import LaunchError
+from pdserve.launch.shm_sweep import list_entries, sweep
 
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """What to run: argv, environment overlay, where its output goes, and how to tell it is ready."""
+    """What to run: argv, environment overlay, where its output goes, and how to tell it is ready.
+
+    sweep_shm: after the process group is gone, remove what appeared in /dev/shm since it started
+    and nobody holds (the fallback where it cannot have a private /dev/shm; see shm_namespace).
+    """
 
     name: str
     argv: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     health_url: str | None = None
+    sweep_shm: bool = False
 
 
 class ManagedProcess:
@@ -36,6 +42,7 @@ class ManagedProcess:
     def __init__(self, spec: ProcessSpec) -> None:
         self.spec = spec
         self._popen: subprocess.Popen | None = None
+        self._shm_before: dict | None = None  # /dev/shm at the last start, when spec.sweep_shm
 
     @property
     def name(self) -> str:
@@ -48,6 +55,8 @@ class ManagedProcess:
     def start(self) -> None:
         if self._popen is not None:
             raise LaunchError(f"{self.name} already started")
+        if self.spec.sweep_shm:
+            self._shm_before = list_entries()
         log = open(self.spec.log_path, "ab") if self.spec.log_path else subprocess.DEVNULL
         try:
             self._popen = subprocess.Popen(
@@ -113,6 +122,9 @@ class ManagedProcess:
             self._popen.wait(timeout=1)
         except subprocess.TimeoutExpired:
             pass
+        if self._shm_before is not None and not self.alive():
+            sweep(self._shm_before, self.name)
+            self._shm_before = None
 
 
 def _die_with_parent() -> None:

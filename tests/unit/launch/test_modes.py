@@ -7,14 +7,21 @@ from pdserve.errors import ConfigError
 from pdserve.launch import Deployment, UpOptions, plain_instance, plan, register
 from pdserve.launch.modes import MODES
 from pdserve.launch.options import GIB, parse_bytes
+from pdserve.launch.shm_namespace import HEADROOM_BYTES
+
+
+def vllm_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The command inside the private-/dev/shm wrapper (see test_shm_namespace)."""
+    return argv[argv.index("taskset"):]
 
 
 def test_collocated_is_one_instance_on_all_cores_with_shared_flags():
     d = plan(UpOptions(mode="collocated", model="/m", port=18500, cores=(0, 1)))
     (inst,) = d.instances
     assert d.router is None and d.endpoint == "http://127.0.0.1:18500" and inst.cores == (0, 1)
+    assert inst.shm_limit_bytes == GIB + HEADROOM_BYTES
     spec = inst.process_spec(Path("/run"))
-    assert spec.argv[:3] == ("taskset", "-c", "0,1")
+    assert vllm_argv(spec.argv)[:3] == ("taskset", "-c", "0,1")
     args = " ".join(spec.argv)
     for flag in ("--dtype bfloat16", "--max-model-len 4096", f"--kv-cache-memory-bytes {GIB}",
                  "--host 127.0.0.1", "--port 18500", "--enable-prefix-caching"):
@@ -29,7 +36,7 @@ def test_round_robin_pins_one_instance_per_core_behind_the_router():
     assert [(i.name, i.port, i.cores) for i in d.instances] == [("vllm0", 18501, (0,)), ("vllm1", 18502, (1,))]
     assert d.endpoint == "http://127.0.0.1:18500" and d.router.policy == "round_robin"
     assert d.router.worker_urls == ("http://127.0.0.1:18501", "http://127.0.0.1:18502")
-    args = d.instances[1].process_spec(Path("/r")).argv
+    args = vllm_argv(d.instances[1].process_spec(Path("/r")).argv)
     assert args[:3] == ("taskset", "-c", "1")
     assert {"--no-enable-prefix-caching", "--enforce-eager"} <= set(args) and args[-2:] == ("--seed", "3")
     router_argv = d.router.process_spec(Path("/r")).argv
