@@ -5,6 +5,7 @@
         cluster.wait_healthy(600)
         requests.post(cluster.endpoint + "/v1/completions", ...)
         cluster.instance_urls  # {"vllm0": "http://127.0.0.1:18001", ...}
+        cluster.restarts       # {"vllm0": 0, "vllm1": 1, "router": 0}: a dead process comes back
 
 A new mode is one function in launch/modes.py (or any module listed in modes.PLUGIN_MODULES):
     @register("write")
@@ -31,6 +32,7 @@ def up(options: UpOptions) -> Cluster:
 
     plan(options)  # an unknown mode fails before any model is built
     resolved = dataclasses.replace(options, model=str(resolve_model(options.model)))
-    cluster = Cluster(plan(resolved), log_dir=options.log_dir)
+    cluster = Cluster(plan(resolved), log_dir=options.log_dir, restart=options.restart,
+                      startup_timeout=options.startup_timeout)
     cluster.start()
     return cluster

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 from pdserve.errors import LaunchError
 from pdserve.launch.cluster import Cluster
 from pdserve.launch.env import runs_dir
-from pdserve.launch.options import DEFAULT_PORT, UpOptions, parse_bytes
+from pdserve.launch.options import DEFAULT_PORT, RESTART_POLICIES, UpOptions, parse_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -43,13 +44,16 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-args", default="", help="extra vLLM serve flags, one shell-quoted string")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
     p.add_argument("--log-dir", type=Path, help="keep the processes' logs here after stop")
+    p.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
+                   help="once healthy, a process that dies is restarted (backoff 1 s doubling to 30 s; "
+                        "default) or, with never, everything is stopped and pdserve exits non-zero")
 
 
 def options_from(args: argparse.Namespace) -> UpOptions:
     return UpOptions(mode=args.mode, model=args.model, port=args.port, kv_cache_bytes=parse_bytes(args.kv_cache),
                      max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
                      enforce_eager=args.enforce_eager, extra_vllm_args=tuple(shlex.split(args.vllm_args)),
-                     startup_timeout=args.startup_timeout, log_dir=args.log_dir)
+                     startup_timeout=args.startup_timeout, log_dir=args.log_dir, restart=args.restart)
 
 
 class _Terminated(Exception):
@@ -71,12 +75,24 @@ def started(options: UpOptions) -> Cluster:
     """Start and wait; SIGTERM during start or serve unwinds through the caller's `finally`."""
     from pdserve import launch
 
+    _log_to_stderr()
     signal.signal(signal.SIGTERM, _raise_terminated)
     start = time.monotonic()
     cluster = launch.up(options)
     cluster.wait_healthy(options.startup_timeout)
     print(f"pdserve: {options.mode} on {options.model} healthy in {time.monotonic() - start:.1f} s", flush=True)
     return cluster
+
+
+def _log_to_stderr() -> None:
+    """The launcher's own log lines (restarts, /dev/shm fallback) go to stderr as they happen."""
+    logger = logging.getLogger("pdserve.launch")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -92,11 +108,9 @@ def run_up(args: argparse.Namespace) -> int:
         if args.ready_file:
             args.ready_file.write_text(f"{cluster.endpoint}\n")
         print("Ctrl-C to stop", flush=True)
-        while True:
-            for process in cluster.processes:
-                if process.exit_code() is not None:
-                    raise LaunchError(f"{process.name} exited with code {process.exit_code()}")
+        while cluster.failure is None:  # restarts (--restart on-failure) happen in the cluster's supervisor
             time.sleep(1)
+        raise LaunchError(cluster.failure)
     except (KeyboardInterrupt, _Terminated):
         return 0
     finally:

@@ -1,16 +1,19 @@
-"""The lifecycle of one launch: start its processes, wait until healthy, stop them all.
+"""The lifecycle of one launch: start its processes, wait until healthy, supervise, stop them all.
 
-    cluster = Cluster(deployment); cluster.start(); cluster.wait_healthy(600)
-    ... cluster.endpoint, cluster.instance_urls ...
+    cluster = Cluster(deployment, restart="on-failure"); cluster.start(); cluster.wait_healthy(600)
+    ... cluster.endpoint, cluster.instance_urls, cluster.restarts, cluster.failure ...
     cluster.stop()            # also on any failure of start/wait_healthy, and in __exit__
 
-Every child runs in its own session; stop() signals each process group (SIGTERM, deadline,
-SIGKILL) and removes the run directory (logs, ipc sockets, temp files), so nothing is left.
+A death during start fails the start. Once healthy, a Supervisor watches the processes: with
+restart "on-failure" it restarts a dead one (same spec, backoff); with "never" (the default for a
+Cluster built directly, so callers that kill instances on purpose see them stay dead) it records
+the first death in `failure`. Every child runs in its own session; stop() ends the supervisor,
+signals each process group (SIGTERM, deadline, SIGKILL) and removes the run directory (logs, ipc
+sockets, temp files), so nothing is left.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import signal
 import tempfile
@@ -21,21 +24,27 @@ from pdserve.errors import LaunchError
 from pdserve.launch.env import runs_dir
 from pdserve.launch.modes import Deployment
 from pdserve.launch.ports import require_free
+from pdserve.launch.options import RestartPolicy, check_restart_policy
 from pdserve.launch.process import ManagedProcess
+from pdserve.launch.supervisor import Supervisor
 
 STOP_TIMEOUT = 30.0
-_ERROR_LINE = re.compile(r"error|exception|killed|cannot|failed", re.IGNORECASE)
 
 
 class Cluster:
     """A running deployment: its instances (and router), health, endpoint, and clean stop."""
 
-    def __init__(self, deployment: Deployment, log_dir: Path | None = None) -> None:
+    def __init__(self, deployment: Deployment, log_dir: Path | None = None, restart: RestartPolicy = "never",
+                 startup_timeout: float = 600.0) -> None:
+        check_restart_policy(restart)
         self.deployment = deployment
         self.log_dir = log_dir
+        self.restart = restart
+        self.startup_timeout = startup_timeout  # also the deadline of a restarted process's health
         self.run_dir: Path | None = None
         self.instances: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
+        self.supervisor: Supervisor | None = None
         self.failure_log: list[str] = []
         self._state = "new"  # new -> starting -> healthy -> stopped
 
@@ -52,6 +61,18 @@ class Cluster:
     @property
     def processes(self) -> list[ManagedProcess]:
         return [*self.instances, *([self.router] if self.router else [])]
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How often each process (instances and router, by name) was restarted since healthy."""
+        if self.supervisor is None:
+            return {p.name: 0 for p in self.processes}
+        return self.supervisor.restarts
+
+    @property
+    def failure(self) -> str | None:
+        """Once healthy: the first death the supervisor could not or must not repair (None if none)."""
+        return self.supervisor.failure if self.supervisor else None
 
     def start(self) -> None:
         """Check ports, create the run dir and start the instances (and a router that does not wait)."""
@@ -85,6 +106,8 @@ class Cluster:
                     continue
                 if not pending:
                     self._state = "healthy"
+                    self.supervisor = Supervisor(self.processes, self.restart, self.startup_timeout)
+                    self.supervisor.start()
                     return
                 if time.monotonic() > deadline:
                     names = ", ".join(p.name for p in pending)
@@ -101,6 +124,8 @@ class Cluster:
         self._state = "stopped"
         deadline = time.monotonic() + timeout
         try:
+            if self.supervisor is not None:
+                self.supervisor.stop(deadline)  # first: no restart may race the stop below
             for process in reversed(self.processes):
                 process.signal_group(signal.SIGTERM)  # SIGTERM all at once, then wait for each
             for process in reversed(self.processes):
@@ -138,9 +163,7 @@ class Cluster:
     def _last_error(self, process: ManagedProcess) -> str:
         tail = process.log_tail(40)
         self.failure_log = [f"--- {process.name} log tail", *tail]  # the run dir (and log) is about to go
-        errors = [line for line in tail if _ERROR_LINE.search(line)]
-        line = (errors or tail or ["no output"])[-1].strip()
-        return line[-300:]
+        return process.last_error(tail)
 
     def _expect(self, state: str) -> None:
         if self._state != state:

@@ -6,11 +6,20 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from pdserve.errors import ConfigError
 
 GIB = 1 << 30
 DEFAULT_PORT = 18000
+RestartPolicy = Literal["on-failure", "never"]
+RESTART_POLICIES: tuple[str, ...] = get_args(RestartPolicy)
+
+
+def check_restart_policy(policy: str) -> None:
+    """on-failure: restart a process that dies once the deployment is healthy; never: report it."""
+    if policy not in RESTART_POLICIES:
+        raise ConfigError(f"unknown restart policy {policy!r} (known: {', '.join(RESTART_POLICIES)})")
 
 
 def all_cores() -> tuple[int, ...]:
@@ -23,6 +32,7 @@ class UpOptions:
 
     `port` is the client-facing port (router, or the single instance); instances take the ports
     after it. `model` is a directory or a built-in size (tiny|small), resolved by launch.up().
+    `restart`: what the cluster does when a process dies after it was healthy (RESTART_POLICIES).
     """
 
     mode: str = "collocated"
@@ -36,8 +46,10 @@ class UpOptions:
     cores: tuple[int, ...] = field(default_factory=all_cores)
     startup_timeout: float = 600.0
     log_dir: Path | None = None
+    restart: RestartPolicy = "on-failure"
 
     def __post_init__(self) -> None:
+        check_restart_policy(self.restart)
         if not 1 <= self.port <= 65535 - 8:
             raise ConfigError(f"port {self.port} out of range")
         if self.kv_cache_bytes < 16 << 20:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from pdserve.errors import LaunchError
 from pdserve.launch.shm_sweep import list_entries, sweep
+
+_ERROR_LINE = re.compile(r"error|exception|killed|cannot|failed", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class ProcessSpec:
 class ManagedProcess:
     """A child in a new session (so one signal reaches all its descendants) with a log file.
 
-    Lifecycle: start() once, then healthy()/exit_code() while it runs, stop() once (idempotent).
+    Lifecycle: start() once, then healthy()/exit_code() while it runs, stop() (idempotent).
+    Once it has exited, respawn() runs the same spec again (same argv, ports, pinning, log file).
     """
 
     def __init__(self, spec: ProcessSpec) -> None:
@@ -55,6 +59,20 @@ class ManagedProcess:
     def start(self) -> None:
         if self._popen is not None:
             raise LaunchError(f"{self.name} already started")
+        self._spawn()
+
+    def respawn(self, deadline: float, note: str) -> None:
+        """Start the spec again after the process exited: first stop what is left of its group
+        (by `deadline`), then append `note` to its log and start it."""
+        if self._popen is None or self.exit_code() is None:
+            raise LaunchError(f"{self.name} cannot be respawned: {'not started' if self._popen is None else 'running'}")
+        self.stop(deadline)
+        if self.spec.log_path is not None:
+            with open(self.spec.log_path, "a") as log:
+                log.write(f"--- pdserve: {note}\n")
+        self._spawn()
+
+    def _spawn(self) -> None:
         if self.spec.sweep_shm:
             self._shm_before = list_entries()
         log = open(self.spec.log_path, "ab") if self.spec.log_path else subprocess.DEVNULL
@@ -81,6 +99,12 @@ class ManagedProcess:
                 return resp.status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+    def last_error(self, tail: list[str] | None = None) -> str:
+        """The last line of the log tail that looks like an error (else its last line), shortened."""
+        tail = self.log_tail(40) if tail is None else tail
+        errors = [line for line in tail if _ERROR_LINE.search(line) and not line.startswith("--- pdserve:")]
+        return (errors or tail or ["no output"])[-1].strip()[-300:]
 
     def log_tail(self, lines: int = 20) -> list[str]:
         path = self.spec.log_path

@@ -13,8 +13,10 @@ from pdserve.launch.process import ManagedProcess, ProcessSpec
 from pdserve.launch.shm_namespace import Confinement, confine
 
 SERVER = r"""
-import http.server, subprocess, sys, time, signal
+import http.server, os, subprocess, sys, time, signal
 port, delay, behaviour = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if len(sys.argv) > 4 and os.path.exists(sys.argv[4]):  # the test changes how the next start behaves
+    behaviour, delay = open(sys.argv[4]).read().split()[0], float(open(sys.argv[4]).read().split()[1])
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a grandchild, like vLLM's engine
 if behaviour == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -36,13 +38,15 @@ class FakeInstance:
     port: int
     delay: float = 0.2
     behaviour: str = "ok"  # ok | die | never-healthy | ignore-term
+    override: Path | None = None  # when this file exists, a start reads "<behaviour> <delay>" from it
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def process_spec(self, run_dir: Path) -> ProcessSpec:
-        argv = (sys.executable, "-c", SERVER, str(self.port), str(self.delay), self.behaviour)
+        argv = (sys.executable, "-c", SERVER, str(self.port), str(self.delay), self.behaviour,
+                *([str(self.override)] if self.override else []))
         return ProcessSpec(self.name, argv, {}, run_dir / f"{self.name}.log", f"{self.url}/health")
 
 

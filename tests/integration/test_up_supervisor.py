@@ -1,0 +1,70 @@
+"""`pdserve up` survives an instance's death: write mode on tiny, the decode instance's whole
+process group SIGKILLed; the supervisor restarts it (same ports, pinning, args, in a fresh private
+/dev/shm), it re-registers with the router, and the next completion moves KV from P to the new D."""
+
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from pdserve.launch import UpOptions
+from pdserve.launch.process import group_members
+from pdserve.launch.supervisor import State
+from tests.integration.conftest import launched
+from tests.integration.pd_helpers import LOG_DIR, metric, metrics, model_name
+
+pytestmark = pytest.mark.integration
+
+PORT = 18980
+RESTART_DEADLINE = 600  # one more vLLM start on a loaded 2-core machine
+
+
+def completion(cluster) -> requests.Response | None:
+    """One short completion through the router; None when the connection itself fails."""
+    body = {"model": model_name(cluster), "prompt": "The river flows north and the mountain", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    try:
+        return requests.post(f"{cluster.endpoint}/v1/completions", json=body, timeout=60)
+    except requests.RequestException:
+        return None
+
+
+def wait_served(cluster, timeout: float) -> requests.Response:
+    """Until a completion through the router answers 200 (the router drops a dead D's registration
+    after 5 s and learns the new one from its heartbeat)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = completion(cluster)
+        if response is not None and response.status_code == 200:
+            return response
+        assert time.monotonic() < deadline, f"no completion in {timeout} s: {response and response.text}"
+        time.sleep(1)
+
+
+def test_killed_decode_instance_is_restarted_and_serves_again():
+    options = UpOptions(mode="write", port=PORT, enforce_eager=True, kv_cache_bytes=256 << 20,
+                        log_dir=LOG_DIR / "supervisor")
+    assert options.restart == "on-failure"  # the default, through code as on the command line
+    with launched(options) as cluster:
+        wait_served(cluster, 60)
+        assert cluster.restarts == {"prefill": 0, "decode": 0, "router": 0}, "a process died on its own"
+        decode = cluster.instances[1]
+        assert decode.name == "decode"
+        killed, affinity = decode.pid, os.sched_getaffinity(decode.pid)
+        os.killpg(killed, signal.SIGKILL)
+        deadline = time.monotonic() + RESTART_DEADLINE
+        while not (decode.pid != killed and cluster.supervisor.states()["decode"] is State.RUNNING):
+            assert time.monotonic() < deadline, f"decode not back: {cluster.supervisor.states()} {decode.log_tail()}"
+            assert cluster.failure is None, cluster.failure
+            time.sleep(1)
+        assert group_members(killed) == []
+        assert os.sched_getaffinity(decode.pid) == affinity  # same pinning
+        response = wait_served(cluster, 120)
+        assert response.json()["usage"]["completion_tokens"] == 8
+        moved = metric(metrics(cluster.instance_urls["decode"]), "pdserve:kv_transfer_bytes_total")
+        assert moved > 0, "the new D computed the prompt itself instead of receiving P's KV"
+        assert cluster.restarts == {"prefill": 0, "decode": 1, "router": 0}
+        restarted = decode.pid
+    assert group_members(restarted) == []
