@@ -16,6 +16,7 @@ from pathlib import Path
 from pdserve.errors import LaunchError
 from pdserve.launch.cluster import Cluster
 from pdserve.launch.env import runs_dir
+from pdserve.launch.modes import mode_descriptions
 from pdserve.launch.options import DEFAULT_PORT, RESTART_POLICIES, UpOptions, parse_bytes
 
 
@@ -34,7 +35,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_up_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="collocated", help="collocated | round-robin | modes added by plugins")
+    modes = mode_descriptions()
+    width = max(map(len, modes))
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "modes:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in modes.items())
+    p.add_argument("--mode", default="collocated", help=f"deployment: {' | '.join(modes)} (see below)")
     p.add_argument("--model", default="tiny", help="model directory, or tiny|small (built under models/ on first use)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port; instances use the next ones")
     p.add_argument("--kv-cache", default="1GiB", help="KV cache size per instance (e.g. 1GiB, 512MiB)")

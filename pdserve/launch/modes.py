@@ -1,8 +1,10 @@
 """Deployment modes: a registry from mode name to a planning function.
 
 A mode is one function `plan(options) -> Deployment` decorated with `@register("name")`; it
-decides the instances (ports, cores, extra vLLM args/env) and the router. Modules outside this
-file register the same way; import them in `_load_plugins` so `pdserve up --mode` sees them.
+decides the instances (ports, cores, extra vLLM args/env) and the router. Its one-line
+description (`register(name, description)`, else the first line of the function's docstring) is
+what `pdserve up --help` shows. Modules outside this file register the same way; list them in
+PLUGIN_MODULES so `pdserve up --mode` sees them.
 """
 
 from __future__ import annotations
@@ -39,13 +41,26 @@ class Deployment:
 
 
 Planner = Callable[[UpOptions], Deployment]
-MODES: dict[str, Planner] = {}
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    planner: Planner
+    description: str
+
+
+MODES: dict[str, Mode] = {}
 PLUGIN_MODULES = ("pdserve.connector.modes", "pdserve.launch.nixl_mode")  # optional modules that register PD modes
 
 
-def register(name: str) -> Callable[[Planner], Planner]:
+def register(name: str, description: str = "") -> Callable[[Planner], Planner]:
+    """Decorator: make `planner` the mode `name`; a mode without a description is refused."""
     def add(planner: Planner) -> Planner:
-        MODES[name] = planner
+        text = description or (planner.__doc__ or "").strip().split("\n", 1)[0]
+        if not text:
+            raise ValueError(f"mode {name!r} needs a description (argument or docstring)")
+        MODES[name] = Mode(name, planner, text)
         return planner
     return add
 
@@ -64,10 +79,16 @@ def known_modes() -> list[str]:
     return sorted(MODES)
 
 
+def mode_descriptions() -> dict[str, str]:
+    """Every registered mode's one-line description, by name, sorted."""
+    _load_plugins()
+    return {name: MODES[name].description for name in sorted(MODES)}
+
+
 def plan(options: UpOptions) -> Deployment:
     _load_plugins()
     try:
-        planner = MODES[options.mode]
+        planner = MODES[options.mode].planner
     except KeyError:
         raise ConfigError(f"unknown mode {options.mode!r} (known: {', '.join(sorted(MODES))})") from None
     deployment = planner(options)
@@ -82,13 +103,13 @@ def plain_instance(options: UpOptions, name: str, port: int, cores: tuple[int, .
                         vllm_args=options.vllm_args(), shm_limit_bytes=tmpfs_bytes(options.kv_cache_bytes))
 
 
-@register("collocated")
+@register("collocated", "one plain vLLM instance on all cores, serving clients directly (the baseline)")
 def collocated(options: UpOptions) -> Deployment:
     """One vLLM instance on all cores, serving the client directly."""
     return Deployment((plain_instance(options, "vllm", options.port, options.cores),))
 
 
-@register("round-robin")
+@register("round-robin", "two plain vLLM instances, one pinned per core, behind vllm-router round_robin")
 def round_robin(options: UpOptions) -> Deployment:
     """Two plain vLLM instances, one per core, behind vllm-router's round_robin policy."""
     if len(options.cores) < 2:

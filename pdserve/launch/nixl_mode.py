@@ -85,7 +85,8 @@ def _transfer_config(role: str) -> str:
     return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
 
 
-@register("nixl")
+@register("nixl", "PD with vLLM's own NixlConnector over UCX loopback (P core 0, D core 1), the baseline; "
+                  "needs nixl")
 def nixl(options: UpOptions) -> Deployment:
     """P on the first core, D on the second, vllm-router in PD mode with static URLs."""
     if len(options.cores) < 2:

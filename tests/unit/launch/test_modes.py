@@ -3,9 +3,10 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cli import build_parser
 from pdserve.errors import ConfigError
 from pdserve.launch import Deployment, UpOptions, plain_instance, plan, register
-from pdserve.launch.modes import MODES
+from pdserve.launch.modes import MODES, known_modes, mode_descriptions
 from pdserve.launch.options import GIB, parse_bytes
 from pdserve.launch.shm_namespace import HEADROOM_BYTES
 
@@ -48,6 +49,9 @@ def test_round_robin_pins_one_instance_per_core_behind_the_router():
 def test_a_mode_is_one_registered_function():
     @register("test-extra-env")
     def extra(options):
+        """A test mode.
+
+        Only the first docstring line is its description."""
         base = plain_instance(options, "p", options.port, (0,), role="prefill")
         return Deployment((replace(base, extra_args=("--kv-transfer-config", "{}"), extra_env={"X": "1"}),))
 
@@ -55,6 +59,7 @@ def test_a_mode_is_one_registered_function():
         d = plan(UpOptions(mode="test-extra-env", model="/m", port=18600))
         spec = d.instances[0].process_spec(Path("/r"))
         assert spec.argv[-2:] == ("--kv-transfer-config", "{}") and spec.env["X"] == "1"
+        assert mode_descriptions()["test-extra-env"] == "A test mode."
     finally:
         del MODES["test-extra-env"]
     with pytest.raises(ConfigError, match="unknown mode 'nope'"):
@@ -65,3 +70,21 @@ def test_parse_bytes():
     assert parse_bytes("1GiB") == GIB and parse_bytes("512M") == 512 << 20 and parse_bytes("4096") == 4096
     with pytest.raises(ConfigError):
         parse_bytes("lots")
+
+
+def test_a_mode_without_a_description_is_refused():
+    with pytest.raises(ValueError, match="needs a description"):
+        register("test-undescribed")(lambda options: Deployment(()))
+    assert "test-undescribed" not in MODES
+
+
+def test_up_help_lists_every_mode_with_its_description():
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    text = subparsers.choices["up"].format_help()
+    modes = mode_descriptions()
+    assert {"collocated", "round-robin", "write", "read", "nixl"} <= set(modes) == set(known_modes())
+    listing = text.split("\nmodes:\n", 1)[1].splitlines()
+    assert len(listing) == len(modes)
+    for line, (name, description) in zip(listing, modes.items()):
+        assert line.split(None, 1) == [name, description]
+        assert 10 < len(description) < 120
