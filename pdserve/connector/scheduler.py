@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
+from pdserve.connector.guard import guarded
 from pdserve.connector.metadata import CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
 from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.errors import ProtocolError
@@ -55,6 +56,7 @@ class PDScheduler:
     def _num_prompt_blocks(self, request) -> int:
         return math.ceil(request.num_prompt_tokens / self._block_size)
 
+    @guarded(StepPlan)
     def build_connector_meta(self, scheduler_output) -> StepPlan:
         if self._config.role is Role.PRODUCER:
             self._cancel_preempted_sends(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -63,6 +65,7 @@ class PDScheduler:
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
+    @guarded()
     def update_connector_output(self, connector_output) -> None:
         for request_id in connector_output.finished_sending or ():
             self._held.discard(request_id)
@@ -73,6 +76,7 @@ class PDScheduler:
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._meta.cancels or self._meta.holds)
 
+    @guarded(lambda: (0, False))
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
         if self._config.role is Role.PRODUCER or rid in self._receiving or rid in self._cancelled:
@@ -83,12 +87,14 @@ class PDScheduler:
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
+    @guarded()
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self._config.role is Role.PRODUCER:
             self._track_send(request)
         else:
             self._start_recv(request, blocks, num_external_tokens)
 
+    @guarded(lambda: (False, None))
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._config.role is Role.CONSUMER:
             self._finish_recv(request)

@@ -17,6 +17,7 @@ import secrets
 from pdserve.config import ConnectorConfig
 from pdserve.config import Role
 from pdserve.connector.engine import Finished, TransferEngine
+from pdserve.connector.guard import guarded
 from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout, LayerPlacement, check_compatible, cpu_isa
 from pdserve.connector.metadata import StepPlan
@@ -41,21 +42,6 @@ IDLE_WAIT_S = 0.002  # an empty engine step waits this long for transfer progres
 TRANSFER_MESSAGES = (RemoteBlocks, WriteDone, Release, ReadDone, ReadAck)
 
 
-def _guarded(hook):
-    """A vLLM hook of the worker half: no exception of ours crosses into vLLM's worker loop.
-    Transfers keep their deadlines, so a failure here ends as a failed (recomputed) transfer."""
-
-    def run(self, *args):
-        try:
-            return hook(self, *args)
-        except Exception:  # noqa: BLE001 - the process boundary with vLLM
-            logger.exception("pdserve: internal error in %s; transfers continue under their deadlines", hook.__name__)
-            return None
-
-    run.__name__ = hook.__name__
-    return run
-
-
 class PDWorker:
     def __init__(self, config: ConnectorConfig, model_fingerprint: dict):
         self._config = config
@@ -63,7 +49,7 @@ class PDWorker:
         self.identity = f"{config.engine_id}/{os.getpid()}-{self._token}"
         self.incarnation = Incarnation.this_process(self.identity)
         self._codec = Codec(load_secret(config.secret_file), self.identity)
-        self._faults = FaultPlan.load(config.test_fault_plan)
+        self._faults = FaultPlan.load(config.test_fault_plan, config.role.value)
         shm = ShmTransport()
         self._faults.install_copy_hook(shm)
         self._transport = CorruptingTransport(shm) if config.test_corrupt_transfers else shm
@@ -186,7 +172,7 @@ class PDWorker:
 
     # ---- vLLM hooks (worker thread) ------------------------------------------------------
 
-    @_guarded
+    @guarded()
     def bind(self, meta: StepPlan) -> None:
         engine = self._engine
         engine.begin_step()
@@ -202,7 +188,7 @@ class PDWorker:
         self._idle = meta.idle
         engine.pump()
 
-    @_guarded
+    @guarded()
     def save_kv_layer(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
         if self._step_sends and index is not None:  # a layer without KV cache of ours has nothing to send
@@ -210,21 +196,18 @@ class PDWorker:
             self._engine.layer_ready(index)
             self._faults.at(f"after_layer:{index}")
 
-    @_guarded
+    @guarded()
     def wait_for_save(self) -> None:
         if self._step_sends:
             self._engine.all_layers_ready()
             self._step_sends = False
 
+    @guarded(Finished)
     def take_finished(self, finished_req_ids: set[str]) -> Finished:
         if self._engine is None:
             return Finished()
-        try:
-            self._engine.pump(IDLE_WAIT_S if self._idle else 0.0)
-            return self._engine.take_finished(finished_req_ids)
-        except Exception:  # noqa: BLE001 - the process boundary with vLLM
-            logger.exception("pdserve: internal error while collecting finished transfers")
-            return Finished()
+        self._engine.pump(IDLE_WAIT_S if self._idle else 0.0)
+        return self._engine.take_finished(finished_req_ids)
 
     def take_stats(self) -> dict | None:
         if self._engine is None:

@@ -7,8 +7,8 @@ running deployment can go through many faults without a restart.
       {"action": "kill", "at": "after_layer:1" | "receive:<tag>"}
     ], "generation": 1}
 
-Every rule may carry `"count": N` (apply to the first N matches of this file generation; default
-every match). Message rules act on what this process *sends* (`<tag>` is a wire message tag:
+Every rule may carry `"count": N` (apply to the first N matches since the file last changed;
+default every match) and `"role": "P" | "D"` (only that side applies it; default both). Message rules act on what this process *sends* (`<tag>` is a wire message tag:
 remote_blocks, write_done, release, read_done, read_ack). Copy rules act on this process's
 transport: `slow_copy` sleeps on the copy thread after each batch (the queue behind it waits
 too), `fail_copy` fails a batch after its bytes landed (the worst case for D: the blocks look
@@ -41,6 +41,7 @@ class FaultRule:
     at: str = ""
     seconds: float = 0.0
     count: int | None = None
+    role: str = ""
     used: int = 0
 
     @classmethod
@@ -49,7 +50,7 @@ class FaultRule:
         if action not in MESSAGE_ACTIONS + COPY_ACTIONS + ("kill",):
             raise ValueError(f"unknown fault action {action!r}")
         return cls(action, str(data.get("message", "")), str(data.get("at", "")), float(data.get("seconds", 0.0)),
-                   data.get("count"))
+                   data.get("count"), str(data.get("role", "")))
 
     def take(self) -> bool:
         if self.count is not None and self.used >= self.count:
@@ -61,16 +62,17 @@ class FaultRule:
 class FaultPlan:
     """The rules in force. `FaultPlan.load(None)` is the no-op plan of every real deployment."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, role: str = ""):
         self._path = path
+        self._role = role
         self._rules: list[FaultRule] = []
         self._stamp: tuple | None = None
         self._next_check = 0.0
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | None) -> FaultPlan:
-        plan = cls(path)
+    def load(cls, path: str | None, role: str = "") -> FaultPlan:
+        plan = cls(path, role)
         if path:
             logger.warning("pdserve: FAULT INJECTION enabled from %s (test only)", path)
         return plan
@@ -101,7 +103,8 @@ class FaultPlan:
         try:
             with open(self._path) as f:
                 data = json.load(f)
-            self._rules = [FaultRule.from_json(r) for r in data.get("rules", [])]
+            rules = [FaultRule.from_json(r) for r in data.get("rules", [])]
+            self._rules = [r for r in rules if r.role in ("", self._role)]
             self._stamp = stamp
             logger.warning("pdserve: fault plan now %s", [(r.action, r.message or r.at) for r in self._rules])
         except (OSError, ValueError, TypeError, AttributeError) as exc:
