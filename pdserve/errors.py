@@ -21,6 +21,11 @@ class AuthenticationError(ProtocolError):
     """A wire message failed authentication (bad MAC, stale timestamp, replayed nonce)."""
 
 
+class FencedError(AuthenticationError):
+    """An authentic wire message addressed to another instance (or to nobody, where its type
+    must name one): a message for a peer's earlier incarnation must not reach its successor."""
+
+
 class HandshakeError(PDServeError):
     """The handshake with a peer failed or did not answer in time."""
 

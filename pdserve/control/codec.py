@@ -1,43 +1,57 @@
 """The one codec of the control plane: messages <-> authenticated msgpack envelopes.
 
 Wire frame: `mac (32 bytes) || body`, where body is msgpack of
-`{"v": 1, "type": tag, "sender": id, "ts": unix seconds, "nonce": 16 bytes, "payload": {...}}`
-and mac = HMAC-SHA256(secret, body). Decoding checks, in order: the MAC (before parsing anything),
-the envelope's shape, the timestamp's skew, the nonce against recently seen ones (replay), the
-type tag, and every payload field against the message dataclass. No pickle, ever.
+`{"v": 2, "type": tag, "sender": id, "to": recipient, "ts": unix seconds, "nonce": 16 bytes,
+"payload": {...}}` and mac = HMAC-SHA256(secret, body). Decoding checks, in order: the MAC
+(before parsing anything), the envelope's shape, the timestamp (finite, within the skew), the
+type tag, the recipient (fencing), the nonce against recently seen ones (replay), every payload
+field against the message dataclass, and the message's own `validate()`. No pickle, ever.
+
+`to` is the recipient's incarnation identity (its `sender_id`), or "" for the message types that
+open a conversation and may go to anyone (`ADDRESSED = False` on the class).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import threading
 import time
 import types
 import typing
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 
 import msgpack
 
 from pdserve.control.messages import MESSAGE_TYPES, field_types, tag_of
-from pdserve.errors import AuthenticationError, ProtocolError
+from pdserve.control.replay import ReplayCache
+from pdserve.errors import AuthenticationError, FencedError, ProtocolError
 
-VERSION = 1
+VERSION = 2
 MAC_BYTES = 32
 NONCE_BYTES = 16
-MAX_FRAME_BYTES = 16 * 1024 * 1024
-_ENVELOPE_KEYS = frozenset({"v", "type", "sender", "ts", "nonce", "payload"})
+# The largest legitimate frame, a handshake reply, holds a few hundred region and layer entries
+# (tens of KiB); the endpoints also make ZMQ drop any bigger frame before buffering it.
+MAX_FRAME_BYTES = 1024 * 1024
+MAX_ID_CHARS = 256  # sender and recipient identities
+_ENVELOPE_KEYS = frozenset({"v", "type", "sender", "to", "ts", "nonce", "payload"})
 
 
 @dataclass(frozen=True)
 class Envelope:
-    """A decoded, authenticated message and who sent it."""
+    """A decoded, authenticated message, who sent it, and whom it was addressed to ("" = anyone)."""
 
     sender: str
     message: object
     ts: float
+    recipient: str = ""
+
+
+def is_addressed(cls) -> bool:
+    """Whether messages of type `cls` must name their recipient (true unless the class says not)."""
+    return getattr(cls, "ADDRESSED", True)
 
 
 class Codec:
@@ -49,29 +63,39 @@ class Codec:
     def __init__(self, secret: bytes, sender_id: str, max_skew_s: float = 30.0, max_nonces: int = 100_000):
         if not secret:
             raise ValueError("the control-plane secret must not be empty")
+        if not isinstance(sender_id, str) or not 0 < len(sender_id) <= MAX_ID_CHARS:
+            raise ValueError(f"sender_id must be 1..{MAX_ID_CHARS} characters, got {sender_id!r}")
         self.sender_id = sender_id
         self.max_skew_s = max_skew_s
         self._secret = bytes(secret)
-        self._max_nonces = max_nonces
-        self._seen: OrderedDict[bytes, float] = OrderedDict()  # nonce -> ts, in arrival order
+        self._replay = ReplayCache(max_nonces)
         self._lock = threading.Lock()
 
-    def encode(self, msg) -> bytes:
+    def encode(self, msg, recipient: str = "") -> bytes:
+        """Sign `msg` for `recipient` (the peer incarnation's identity; "" only for message types
+        with `ADDRESSED = False`, which the receiver accepts from anyone). ProtocolError if the
+        recipient is no usable identity or the frame would exceed MAX_FRAME_BYTES."""
         tag = tag_of(msg)
+        if not isinstance(recipient, str) or len(recipient) > MAX_ID_CHARS:
+            raise ProtocolError(f"recipient must be a string of at most {MAX_ID_CHARS} characters, got {recipient!r:.300}")
         payload = {name: getattr(msg, name) for name in field_types(type(msg))}
         envelope = {
             "v": VERSION,
             "type": tag,
             "sender": self.sender_id,
+            "to": recipient,
             "ts": time.time(),
             "nonce": os.urandom(NONCE_BYTES),
             "payload": payload,
         }
         body = msgpack.packb(envelope, use_bin_type=True)
+        if MAC_BYTES + len(body) > MAX_FRAME_BYTES:
+            raise ProtocolError(f"{tag} frame would be {MAC_BYTES + len(body)} bytes (max {MAX_FRAME_BYTES})")
         return hmac.new(self._secret, body, hashlib.sha256).digest() + body
 
     def decode(self, raw: bytes) -> Envelope:
-        """Verify and decode one frame; raises AuthenticationError or ProtocolError saying why."""
+        """Verify and decode one frame; raises AuthenticationError (FencedError when addressed to
+        another incarnation) or ProtocolError saying why."""
         if not isinstance(raw, (bytes, bytearray, memoryview)):
             raise ProtocolError(f"frame must be bytes, got {type(raw).__name__}")
         raw = bytes(raw)
@@ -83,11 +107,15 @@ class Codec:
         if not hmac.compare_digest(mac, hmac.new(self._secret, body, hashlib.sha256).digest()):
             raise AuthenticationError("bad MAC: the message was tampered with or signed with another secret")
         envelope = self._unpack(body)
-        self._check_fresh(envelope)
+        now = time.time()
+        self._check_skew(envelope["ts"], now)
         cls = MESSAGE_TYPES.get(envelope["type"])
         if cls is None:
             raise ProtocolError(f"unknown message type {envelope['type']!r}")
-        return Envelope(envelope["sender"], _build(cls, envelope["payload"]), envelope["ts"])
+        self._check_recipient(cls, envelope["to"])
+        with self._lock:
+            self._replay.admit(envelope["nonce"], float(envelope["ts"]), now - self.max_skew_s)
+        return Envelope(envelope["sender"], _build(cls, envelope["payload"]), float(envelope["ts"]), envelope["to"])
 
     def _unpack(self, body: bytes) -> dict:
         try:
@@ -100,30 +128,33 @@ class Codec:
             raise ProtocolError(f"envelope keys must be {sorted(_ENVELOPE_KEYS)}, got {sorted(map(str, envelope))}")
         if envelope["v"] != VERSION:
             raise ProtocolError(f"unsupported envelope version {envelope['v']!r} (we speak {VERSION})")
-        checks = {"type": str, "sender": str, "ts": (int, float), "nonce": bytes, "payload": dict}
+        checks = {"type": str, "sender": str, "to": str, "ts": (int, float), "nonce": bytes, "payload": dict}
         for key, expected in checks.items():
             if not isinstance(envelope[key], expected) or isinstance(envelope[key], bool):
                 raise ProtocolError(f"envelope field {key!r} has type {type(envelope[key]).__name__}")
         if len(envelope["nonce"]) != NONCE_BYTES:
             raise ProtocolError(f"envelope nonce must be {NONCE_BYTES} bytes, got {len(envelope['nonce'])}")
+        if not 0 < len(envelope["sender"]) <= MAX_ID_CHARS:
+            raise ProtocolError(f"envelope sender must be 1..{MAX_ID_CHARS} characters, got {len(envelope['sender'])}")
+        if len(envelope["to"]) > MAX_ID_CHARS:
+            raise ProtocolError(f"envelope recipient longer than {MAX_ID_CHARS} characters")
         return envelope
 
-    def _check_fresh(self, envelope: dict) -> None:
-        now = time.time()
-        ts = float(envelope["ts"])
+    def _check_skew(self, ts: int | float, now: float) -> None:
+        # A NaN compares false with everything: it would pass both bounds below and never leave
+        # the replay cache.
+        if not _finite(ts):
+            raise AuthenticationError(f"message timestamp {ts!r} is not a finite time")
         if ts < now - self.max_skew_s:
             raise AuthenticationError(f"stale message: sent {now - ts:.1f} s ago (max skew {self.max_skew_s:g} s)")
         if ts > now + self.max_skew_s:
             raise AuthenticationError(f"message from the future: {ts - now:.1f} s ahead (max skew {self.max_skew_s:g} s)")
-        nonce = envelope["nonce"]
-        with self._lock:
-            while self._seen and (
-                next(iter(self._seen.values())) < now - self.max_skew_s or len(self._seen) >= self._max_nonces
-            ):
-                self._seen.popitem(last=False)
-            if nonce in self._seen:
-                raise AuthenticationError(f"replayed message: nonce {nonce.hex()} already seen")
-            self._seen[nonce] = ts
+
+    def _check_recipient(self, cls, recipient: str) -> None:
+        if recipient and recipient != self.sender_id:
+            raise FencedError(f"{cls.TAG} addressed to {recipient!r}, not to this incarnation ({self.sender_id!r})")
+        if not recipient and is_addressed(cls):
+            raise FencedError(f"{cls.TAG} names no recipient, but this message type must")
 
 
 def _build(cls, payload: dict):
@@ -139,12 +170,14 @@ def _build(cls, payload: dict):
         problem = _type_problem(value, fields[name])
         if problem is not None:
             raise ProtocolError(f"{cls.TAG}: field {name!r} {problem}")
-    return cls(**payload)
+    msg = cls(**payload)
+    validate = getattr(msg, "validate", None)
+    if validate is not None:
+        validate()
+    return msg
 
 
 def _is_required(field) -> bool:
-    from dataclasses import MISSING
-
     return field.default is MISSING and field.default_factory is MISSING
 
 
@@ -180,8 +213,17 @@ def _type_problem(value, annotation) -> str | None:
         return None
     if annotation is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and not _finite(value):
+            return f"must be a finite number, got {value!r}"
     elif annotation is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     else:
         ok = isinstance(value, annotation)
     return None if ok else f"must be {annotation.__name__}, got {type(value).__name__}"
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

@@ -6,41 +6,25 @@ import time
 import msgpack
 import pytest
 
-from pdserve.control.codec import Codec
-from pdserve.control.messages import (
-    MESSAGE_TYPES,
-    HandshakeRefused,
-    HandshakeReply,
-    HandshakeRequest,
-    Ping,
-    Pong,
-    ReadAck,
-    ReadDone,
-    Release,
-    RemoteBlocks,
-    WriteDone,
-)
-from pdserve.errors import AuthenticationError, ProtocolError
+from pdserve.control.codec import MAX_FRAME_BYTES, Codec, is_addressed
+from pdserve.control.messages import MESSAGE_TYPES, Ping, ReadAck, ReadDone, Release, WriteDone, field_types
+from tests.unit.control.samples import example
+from pdserve.errors import AuthenticationError, FencedError, ProtocolError
 
 SECRET = b"test-secret"
-EXAMPLES = [
-    HandshakeRequest("engine-d", {"model": "m", "block_size": 16, "dtype": "bfloat16"}),
-    HandshakeReply(
-        "engine-p",
-        {"model": "m"},
-        [{"region_id": 0, "size": 4096, "shm_name": "pdserve-1-x-kv0", "address": None}],
-        [[0, 0, 256, 16], [0, 4096, 256, 16]],
-    ),
-    HandshakeRefused("block size differs: 16 vs 32"),
-    RemoteBlocks("tx-1", [4, 5, 9], 0),
-    WriteDone("tx-1", True),
-    WriteDone("tx-2", False, "peer segment missing"),
-    Release("tx-1"),
-    ReadDone("tx-1", [1, 2, 3]),
-    ReadAck("tx-1", False, "no KV is held for transfer tx-1"),
-    Ping(),
-    Pong(),
+EXAMPLES = [example(cls) for cls in MESSAGE_TYPES.values()] + [
+    example(WriteDone, ok=False, error="peer segment missing", prompt_hash="")
+    if "prompt_hash" in field_types(WriteDone) else WriteDone("tx-2", False, "peer segment missing"),
+    example(ReadAck, ok=False, error="no KV is held for transfer tx-1"),
 ]
+
+
+def _payload(msg, **overrides) -> dict:
+    return {**{name: getattr(msg, name) for name in field_types(type(msg))}, **overrides}
+
+
+def recipient_for(msg) -> str:
+    return "engine-y" if is_addressed(type(msg)) else ""
 
 
 def _frame(envelope: dict, secret: bytes = SECRET) -> bytes:
@@ -50,9 +34,10 @@ def _frame(envelope: dict, secret: bytes = SECRET) -> bytes:
 
 def _envelope(**overrides) -> dict:
     envelope = {
-        "v": 1,
+        "v": 2,
         "type": "release",
-        "sender": "engine-x",
+        "sender": "engine-y",
+        "to": "engine-x",
         "ts": time.time(),
         "nonce": os.urandom(16),
         "payload": {"transfer_id": "tx-1"},
@@ -72,9 +57,9 @@ def test_every_message_type_has_an_example():
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_round_trip(codec, msg):
-    envelope = Codec(SECRET, "engine-y").decode(codec.encode(msg))
+    envelope = Codec(SECRET, "engine-y").decode(codec.encode(msg, recipient_for(msg)))
     assert envelope.message == msg and type(envelope.message) is type(msg)
-    assert envelope.sender == "engine-x"
+    assert envelope.sender == "engine-x" and envelope.recipient == recipient_for(msg)
     assert abs(envelope.ts - time.time()) < 5
 
 
@@ -84,12 +69,12 @@ def test_encode_refuses_non_messages(codec):
 
 
 def test_tampered_body_or_other_secret_fails_the_mac(codec):
-    frame = bytearray(codec.encode(Release("tx-1")))
+    frame = bytearray(codec.encode(Release("tx-1"), "engine-x"))
     frame[-1] ^= 0x01
     with pytest.raises(AuthenticationError, match="bad MAC"):
         codec.decode(bytes(frame))
     with pytest.raises(AuthenticationError, match="bad MAC"):
-        Codec(b"another-secret", "y").decode(codec.encode(Release("tx-1")))
+        Codec(b"another-secret", "y").decode(codec.encode(Release("tx-1"), "y"))
 
 
 def test_stale_and_future_timestamps_are_rejected(codec):
@@ -100,17 +85,76 @@ def test_stale_and_future_timestamps_are_rejected(codec):
 
 
 def test_replayed_nonce_is_rejected(codec):
-    frame = codec.encode(Release("tx-1"))
+    frame = codec.encode(Release("tx-1"), "engine-x")
     codec.decode(frame)
     with pytest.raises(AuthenticationError, match="replayed message: nonce"):
         codec.decode(frame)
 
 
-def test_nonce_cache_stays_bounded():
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_timestamps_are_rejected(codec, ts):
+    frame = _frame(_envelope(ts=ts))
+    with pytest.raises(AuthenticationError, match="not a finite time"):
+        codec.decode(frame)
+
+
+def test_a_full_replay_cache_refuses_new_messages_instead_of_forgetting_fresh_nonces():
     codec = Codec(SECRET, "x", max_nonces=10)
-    for _ in range(50):
-        codec.decode(codec.encode(Ping()))
-    assert len(codec._seen) <= 10
+    frames = [codec.encode(Ping()) for _ in range(11)]
+    for frame in frames[:10]:
+        codec.decode(frame)
+    with pytest.raises(AuthenticationError, match="replay cache full"):
+        codec.decode(frames[10])
+    for frame in frames[:10]:  # every nonce of the flood is still remembered
+        with pytest.raises(AuthenticationError, match="replayed message"):
+            codec.decode(frame)
+
+
+def test_nonces_leave_the_cache_with_the_skew_window():
+    codec = Codec(SECRET, "x", max_skew_s=30.0, max_nonces=10)
+    old = [_frame(_envelope(type="ping", payload={}, to="", ts=time.time() - 29.5)) for _ in range(10)]
+    for frame in old:
+        codec.decode(frame)
+    time.sleep(0.6)  # the ten nonces are now outside the window: forgotten, and refused as stale
+    codec.decode(codec.encode(Ping()))
+    with pytest.raises(AuthenticationError, match="stale message"):
+        codec.decode(old[0])
+
+
+def test_a_message_for_another_incarnation_is_fenced(codec):
+    sender = Codec(SECRET, "engine-y")
+    with pytest.raises(FencedError, match="addressed to 'engine-x-old'"):
+        codec.decode(sender.encode(Release("tx-1"), recipient="engine-x-old"))
+    assert codec.decode(sender.encode(Release("tx-1"), recipient="engine-x")).message == Release("tx-1")
+
+
+@pytest.mark.parametrize("cls", [c for c in MESSAGE_TYPES.values() if is_addressed(c)], ids=lambda c: c.__name__)
+def test_addressed_types_without_a_recipient_are_fenced(codec, cls):
+    with pytest.raises(FencedError, match="names no recipient"):
+        codec.decode(Codec(SECRET, "engine-y").encode(example(cls)))
+
+
+def test_unaddressed_types_reach_anyone(codec):
+    unaddressed = [c for c in MESSAGE_TYPES.values() if not is_addressed(c)]
+    assert unaddressed, "the messages that open a conversation (Ping, HandshakeRequest) need no recipient"
+    for cls in unaddressed:
+        assert type(codec.decode(Codec(SECRET, "engine-y").encode(example(cls))).message) is cls
+
+
+def test_decoder_calls_validate_and_passes_its_protocol_error_on(codec, monkeypatch):
+    def refuse(self):
+        raise ProtocolError(f"release: transfer id {self.transfer_id!r} refused by validate")
+
+    monkeypatch.setattr(Release, "validate", refuse, raising=False)
+    with pytest.raises(ProtocolError, match="refused by validate"):
+        codec.decode(_frame(_envelope()))
+
+
+def test_frames_above_the_limit_are_neither_sent_nor_accepted(codec):
+    with pytest.raises(ProtocolError, match="max 1048576"):
+        codec.encode(example(ReadAck, error="x" * MAX_FRAME_BYTES), "engine-y")
+    with pytest.raises(ProtocolError, match="frame too large"):
+        codec.decode(b"x" * (MAX_FRAME_BYTES + 1))
 
 
 @pytest.mark.parametrize(
@@ -121,7 +165,7 @@ def test_nonce_cache_stays_bounded():
         (_envelope(payload={"transfer_id": "t", "x": 1}), "release: unexpected field(s) ['x']"),
         (_envelope(payload={"transfer_id": 7}), "release: field 'transfer_id' must be str, got int"),
         (
-            _envelope(type="remote_blocks", payload={"transfer_id": "t", "block_ids": [1, "2"], "first_block": 0}),
+            _envelope(type="read_done", payload=_payload(example(ReadDone), block_ids=[1, "2"])),
             "field 'block_ids' item 1 must be int, got str",
         ),
         (
@@ -129,10 +173,12 @@ def test_nonce_cache_stays_bounded():
             "field 'ok' must be bool, got int",
         ),
         (
-            _envelope(type="remote_blocks", payload={"transfer_id": "t", "block_ids": [1], "first_block": True}),
-            "field 'first_block' must be int, got bool",
+            _envelope(type="read_ack", payload={"transfer_id": "t", "ok": True, "error": b"x"}),
+            "field 'error' must be str, got bytes",
         ),
-        (_envelope(v=2), "unsupported envelope version 2"),
+        (_envelope(v=1), "unsupported envelope version 1"),
+        (_envelope(to=7), "envelope field 'to' has type int"),
+        (_envelope(sender=""), "envelope sender must be 1..256 characters"),
         ({**_envelope(), "extra": 1}, "envelope keys must be"),
         (_envelope(nonce=b"short"), "nonce must be 16 bytes"),
         (_envelope(sender=5), "envelope field 'sender' has type int"),
@@ -147,8 +193,8 @@ def test_malformed_envelopes_are_rejected_with_the_reason(codec, envelope, error
 
 
 def test_default_fields_may_be_omitted(codec):
-    frame = _frame(_envelope(type="write_done", payload={"transfer_id": "t", "ok": True}))
-    assert codec.decode(frame).message == WriteDone("t", True, "")
+    frame = _frame(_envelope(type="read_ack", payload={"transfer_id": "t", "ok": True}))
+    assert codec.decode(frame).message == ReadAck("t", True, "")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,37 @@
+"""Valid sample messages of every type, built from one sample value per field name."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.control.messages import field_types
+
+SAMPLES = {
+    "engine_id": "engine-p",
+    "fingerprint": {"model": "m", "block_size": 16, "dtype": "bfloat16"},
+    "regions": [{"region_id": 0, "size": 4096, "shm_name": "pdserve-1-x-kv0", "address": None}],
+    "layers": [[0, 0, 256, 16], [0, 4096, 256, 16]],
+    "pid": 4242,
+    "start_time": 123456,
+    "boot_id": "0c3b9a3e-5b5e-4b8e-9d1f-5d0b8f1e2a77",
+    "reason": "block size differs: 16 vs 32",
+    "transfer_id": "tx-1",
+    "block_ids": [4, 5, 9],
+    "first_block": 0,
+    "prompt_hash": "0123456789abcdef0123456789abcdef",
+    "write_by": 1.0,  # replaced by a time in the near future
+    "ok": True,
+    "error": "",
+    "reply_host": "127.0.0.1",
+    "reply_notify_port": 6401,
+}
+
+
+def example(cls, **overrides):
+    values = {}
+    for name in field_types(cls):
+        assert name in SAMPLES or name in overrides, f"add a sample value for {cls.__name__}.{name}"
+        values[name] = overrides.get(name, SAMPLES.get(name))
+    if "write_by" in values and "write_by" not in overrides:
+        values["write_by"] = time.time() + 5
+    return cls(**values)
