@@ -1,7 +1,9 @@
 """ZMQ endpoints of the control plane: a Server thread (ROUTER) and a Client (DEALERs).
 
 Every frame goes through the Codec: the server drops (and counts) anything that fails to decode
-and keeps serving; a handler may answer a request with a reply message.
+and keeps serving; a handler may answer a request with a reply message, addressed to the
+request's sender. Every socket that receives refuses frames above the codec's MAX_FRAME_BYTES
+(ZMQ drops the connection before buffering such a frame).
 """
 
 from __future__ import annotations
@@ -9,21 +11,25 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
 
-from pdserve.control.codec import Codec, Envelope
+from pdserve.control.codec import MAX_FRAME_BYTES, Codec, Envelope
+from pdserve.control.ratelimit import RateLimitedWarnings
 from pdserve.errors import AddressInUseError, ConfigError, HandshakeError, PDServeError, TransferError
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Envelope], object | None]
 
+MAX_CACHED_SOCKETS = 256
+IDLE_SOCKET_S = 300.0
 _POLL_MS = 50
 _JOIN_DEADLINE_S = 2.0
 _SEND_HWM = 1000
-_SEND_TIMEOUT_MS = 1000
 _LINGER_MS = 200
 
 
@@ -36,10 +42,13 @@ class Server:
 
     Binds in the constructor (so a taken port raises AddressInUseError at once; port 0 picks a
     free port, see `.port`) and serves on a daemon thread until `close()`. `handler` runs on that
-    thread; what it returns (a message or None) is sent back to the sender.
+    thread; what it returns (a message or None) is sent back to the sender, addressed to it.
+    Rejected frames are counted exactly (`num_rejected`) and logged rate-limited
+    (`warn_burst` in full per `warn_interval_s`, then one summary line).
     """
 
-    def __init__(self, bind_host: str, port: int, codec: Codec, handler: Handler, name: str = "control"):
+    def __init__(self, bind_host: str, port: int, codec: Codec, handler: Handler, name: str = "control",
+                 warn_burst: int = 5, warn_interval_s: float = 10.0):
         if bind_host in ("0.0.0.0", "::", "*", ""):
             logger.warning("%s server binds every interface (%r) as asked", name, bind_host)
         self.name = name
@@ -48,10 +57,13 @@ class Server:
         self.num_rejected = 0
         self.num_handled = 0
         self.num_handler_errors = 0
+        self._warnings = RateLimitedWarnings(logger, f"{name} server rejected", warn_burst, warn_interval_s)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No ROUTER_HANDOVER: a connection claiming a known routing id must not take over the
+        # replies meant for the first one. Each request uses a fresh DEALER, so none needs it.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if ":" in bind_host:
             self._socket.setsockopt(zmq.IPV6, 1)
         try:
@@ -90,6 +102,7 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():
+            self._warnings.flush()
             if not poller.poll(_POLL_MS):
                 continue
             try:
@@ -106,13 +119,13 @@ class Server:
     def _handle(self, frames: list[zmq.Frame]) -> None:
         peer = _peer_address(frames[-1])
         if len(frames) != 2:
-            self._reject(peer, f"expected [identity, frame], got {len(frames)} frames")
+            self._reject(peer, "multipart message", f"expected [identity, frame], got {len(frames)} frames")
             return
         identity, frame = frames
         try:
             envelope = self.codec.decode(frame.bytes)
         except PDServeError as e:
-            self._reject(peer, str(e))
+            self._reject(peer, type(e).__name__, str(e))
             return
         try:
             reply = self.handler(envelope)
@@ -121,73 +134,129 @@ class Server:
             logger.exception("%s server: handler failed on %s from %s", self.name, type(envelope.message).__name__, envelope.sender)
             return
         self.num_handled += 1
-        if reply is not None:
-            try:
-                self._socket.send_multipart([identity.bytes, self.codec.encode(reply)], zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                logger.warning("%s server: cannot reply to %s: %s", self.name, envelope.sender, e)
+        if reply is None:
+            return
+        try:
+            frame = self.codec.encode(reply, recipient=envelope.sender)
+        except PDServeError as e:
+            self.num_handler_errors += 1
+            logger.error("%s server: cannot encode the %s reply to %s: %s", self.name, type(reply).__name__, envelope.sender, e)
+            return
+        try:
+            self._socket.send_multipart([identity.bytes, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("%s server: cannot reply to %s: %s", self.name, envelope.sender, e)
 
-    def _reject(self, peer: str, reason: str) -> None:
+    def _reject(self, peer: str, reason: str, detail: str) -> None:
         self.num_rejected += 1
-        logger.warning("%s server rejected a message from %s: %s", self.name, peer, reason)
+        self._warnings.warn(reason, f"a message from {peer}: {detail}")
+
+
+class _CachedSocket:
+    __slots__ = ("socket", "last_used")
+
+    def __init__(self, socket: zmq.Socket, last_used: float):
+        self.socket = socket
+        self.last_used = last_used
 
 
 class Client:
     """Sends control messages: `request` waits for a reply, `send` is fire-and-forget.
 
-    Thread-safe (one lock around the cached sockets). `close()` closes every socket.
+    `send` keeps one DEALER per peer address, least recently used first; sockets idle for longer
+    than `max_idle_s` are closed on the next send, and at most `max_sockets` stay open. Thread-safe
+    (one lock around the cached sockets). `close()` closes every socket.
     """
 
-    def __init__(self, codec: Codec):
+    def __init__(self, codec: Codec, max_sockets: int = MAX_CACHED_SOCKETS, max_idle_s: float = IDLE_SOCKET_S):
         self.codec = codec
+        self.max_sockets = max_sockets
+        self.max_idle_s = max_idle_s
         self._context = zmq.Context()
-        self._senders: dict[tuple[str, int], zmq.Socket] = {}
+        self._senders: OrderedDict[tuple[str, int], _CachedSocket] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
 
-    def request(self, host: str, port: int, msg, timeout_s: float):
-        """Send `msg` and return the decoded reply message.
+    @property
+    def num_cached(self) -> int:
+        """How many peer sockets `send` keeps open now."""
+        with self._lock:
+            return len(self._senders)
+
+    def request(self, host: str, port: int, msg, timeout_s: float, recipient: str = ""):
+        """Send `msg` (addressed to `recipient`, see Codec.encode) and return the decoded reply.
 
         Raises HandshakeError when no reply arrives within `timeout_s`, ProtocolError or
-        AuthenticationError when the reply does not decode.
+        AuthenticationError when the reply does not decode (FencedError when it is addressed to
+        someone else). A reply bigger than MAX_FRAME_BYTES is never buffered: ZMQ drops the
+        connection, and the request times out.
         """
-        socket = self._context.socket(zmq.DEALER)
+        frame = self.codec.encode(msg, recipient)
+        with self._lock:
+            if self._closed:
+                raise HandshakeError("control client is closed")
+            socket = self._context.socket(zmq.DEALER)
         try:
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             if ":" in host:
                 socket.setsockopt(zmq.IPV6, 1)
             socket.connect(tcp_endpoint(host, port))
-            socket.send(self.codec.encode(msg), zmq.NOBLOCK)
+            socket.send(frame, zmq.NOBLOCK)
             if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
                 raise HandshakeError(f"no reply from {host}:{port} to {type(msg).__name__} within {timeout_s:g} s")
-            return self.codec.decode(socket.recv()).message
+            return self.codec.decode(socket.recv(zmq.NOBLOCK)).message
         except zmq.ZMQError as e:
             raise HandshakeError(f"request to {host}:{port} failed: {e}") from None
         finally:
             socket.close(0)
 
-    def send(self, host: str, port: int, msg) -> None:
-        """Queue `msg` for the peer and return; TransferError if the peer's queue stays full
-        (peer gone or too slow) for the send deadline."""
-        frame = self.codec.encode(msg)
+    def send(self, host: str, port: int, msg, recipient: str = "") -> None:
+        """Queue `msg` (addressed to `recipient`) for the peer and return at once; never blocks.
+
+        TransferError at once when the peer's queue is full (peer gone or too slow: callers log
+        or count it and move on) or the address is unusable.
+        """
+        frame = self.codec.encode(msg, recipient)
         with self._lock:
             if self._closed:
                 raise TransferError("control client is closed")
-            socket = self._sender(host, port)
+            now = time.monotonic()
+            self._evict_idle(now - self.max_idle_s)
+            socket = self._sender(host, port, now)
             try:
-                socket.send(frame)
+                socket.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 raise TransferError(
-                    f"cannot send {type(msg).__name__} to {host}:{port}: queue full for {_SEND_TIMEOUT_MS} ms"
+                    f"cannot send {type(msg).__name__} to {host}:{port}: {_SEND_HWM} messages already queued "
+                    "(peer gone or too slow)"
                 ) from None
+            except zmq.ZMQError as e:
+                raise TransferError(f"cannot send {type(msg).__name__} to {host}:{port}: {e}") from None
+
+    def forget(self, host: str, port: int) -> bool:
+        """Close the cached socket to `host:port`, dropping what is still queued there (the peer
+        at that address is a new incarnation: nothing meant for the old one may reach it).
+        Returns whether there was one."""
+        with self._lock:
+            cached = self._senders.pop((host, port), None)
+        if cached is None:
+            return False
+        cached.socket.close(0)
+        return True
+
+    def evict_idle(self, max_idle_s: float) -> int:
+        """Close the cached sockets unused for more than `max_idle_s`; returns how many."""
+        with self._lock:
+            return self._evict_idle(time.monotonic() - max_idle_s)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for socket in self._senders.values():
-                socket.close(_LINGER_MS)
+            for cached in self._senders.values():
+                cached.socket.close(_LINGER_MS)
             self._senders.clear()
         self._context.term()
 
@@ -197,18 +266,39 @@ class Client:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _sender(self, host: str, port: int) -> zmq.Socket:
-        socket = self._senders.get((host, port))
-        if socket is None:
-            socket = self._context.socket(zmq.DEALER)
+    def _evict_idle(self, used_before: float) -> int:
+        num_evicted = 0
+        while self._senders:
+            key, cached = next(iter(self._senders.items()))
+            if cached.last_used >= used_before:
+                break
+            del self._senders[key]
+            cached.socket.close(0)  # idle this long: whatever is still queued is stale
+            num_evicted += 1
+        return num_evicted
+
+    def _sender(self, host: str, port: int, now: float) -> zmq.Socket:
+        cached = self._senders.get((host, port))
+        if cached is not None:
+            cached.last_used = now
+            self._senders.move_to_end((host, port))
+            return cached.socket
+        while len(self._senders) >= self.max_sockets:
+            _, oldest = self._senders.popitem(last=False)
+            oldest.socket.close(_LINGER_MS)
+        socket = self._context.socket(zmq.DEALER)
+        try:
             socket.setsockopt(zmq.LINGER, _LINGER_MS)
             socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
-            socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
             socket.setsockopt(zmq.RCVHWM, 16)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             if ":" in host:
                 socket.setsockopt(zmq.IPV6, 1)
             socket.connect(tcp_endpoint(host, port))
-            self._senders[(host, port)] = socket
+        except zmq.ZMQError as e:
+            socket.close(0)
+            raise TransferError(f"cannot connect to {host}:{port}: {e}") from None
+        self._senders[(host, port)] = _CachedSocket(socket, now)
         return socket
 
 
