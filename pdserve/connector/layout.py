@@ -8,26 +8,55 @@ layout and ISA. That agreement is the fingerprint, checked in the handshake.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdserve.errors import IncompatiblePeerError, ProtocolError
-from pdserve.transport.base import CopyOp, RegionOps
+from pdserve.transport.base import CopyOp, RegionOps, merge_contiguous
+
+
+MAX_LAYERS = 4096
+MAX_REGION_ID = (1 << 16) - 1
+MAX_OFFSET = 1 << 48  # bytes: far beyond any KV cache, far below int64 overflow
+MAX_BLOCK_BYTES = 1 << 32
+MAX_NUM_BLOCKS = 1 << 32
+
+
+def _check_int(value, name: str, low: int, high: int, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{where}: {name} must be an integer, got {type(value).__name__} {value!r:.40}")
+    if not low <= value <= high:
+        raise ProtocolError(f"{where}: {name} {value} is outside {low}..{high}")
 
 
 @dataclass(frozen=True)
 class LayerPlacement:
+    """Where one attention layer's blocks live: block b at `offset + b * block_bytes` of region
+    `region_id`. Constructing one out of range raises ProtocolError naming the field."""
+
     region_id: int  # the shared-memory region holding this layer
     offset: int  # byte offset of block 0 inside the region
     block_bytes: int
     num_blocks: int
+
+    def __post_init__(self) -> None:
+        _check_int(self.region_id, "region_id", 0, MAX_REGION_ID, "layer placement")
+        _check_int(self.offset, "offset", 0, MAX_OFFSET, "layer placement")
+        _check_int(self.block_bytes, "block_bytes", 1, MAX_BLOCK_BYTES, "layer placement")
+        _check_int(self.num_blocks, "num_blocks", 1, MAX_NUM_BLOCKS, "layer placement")
+
+    @property
+    def end(self) -> int:
+        """One past the layer's last byte in its region."""
+        return self.offset + self.block_bytes * self.num_blocks
 
     def to_wire(self) -> list[int]:
         return [self.region_id, self.offset, self.block_bytes, self.num_blocks]
 
     @classmethod
     def from_wire(cls, data) -> LayerPlacement:
-        if not (isinstance(data, list) and len(data) == 4 and all(isinstance(x, int) and x >= 0 for x in data)):
-            raise ProtocolError(f"layer placement must be 4 non-negative integers, got {data!r}")
+        if not (isinstance(data, list) and len(data) == 4):
+            raise ProtocolError(f"layer placement must be [region_id, offset, block_bytes, num_blocks], got {data!r:.100}")
         return cls(*data)
 
 
@@ -38,14 +67,21 @@ class KvLayout:
     def layer_ops(self, peer: KvLayout, layers, pairs: list[tuple[int, int]]) -> list[RegionOps]:
         """Copy lists for `layers`, moving local block a to peer block b for each (a, b) pair.
 
-        Contiguous runs are merged into one copy per run."""
-        from pdserve.transport.base import merge_contiguous
-
+        Contiguous runs are merged into one copy per run. ProtocolError for a layer index either
+        side lacks, layers placed differently (region, block size), or a block id outside
+        0..num_blocks-1 on its side (a negative id would reach into the layer before)."""
+        for pair in pairs:
+            if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in pair):
+                raise ProtocolError(f"block pair {pair!r:.60} holds a negative or non-integer block id")
         batch = []
         for index in sorted(layers):
+            if isinstance(index, bool) or not 0 <= index < min(len(self.layers), len(peer.layers)):
+                raise ProtocolError(f"layer {index!r:.40} out of range ({len(self.layers)} local, {len(peer.layers)} remote layers)")
             mine, theirs = self.layers[index], peer.layers[index]
             if mine.region_id != theirs.region_id:
                 raise ProtocolError(f"layer {index} lives in region {mine.region_id} here, {theirs.region_id} on the peer")
+            if mine.block_bytes != theirs.block_bytes:
+                raise ProtocolError(f"layer {index} has {mine.block_bytes}-byte blocks here, {theirs.block_bytes} on the peer")
             for block, other in pairs:
                 if block >= mine.num_blocks or other >= theirs.num_blocks:
                     raise ProtocolError(
@@ -63,10 +99,46 @@ class KvLayout:
         return [layer.to_wire() for layer in self.layers]
 
     @classmethod
-    def from_wire(cls, data) -> KvLayout:
+    def from_wire(cls, data, region_sizes: Mapping[int, int] | None = None) -> KvLayout:
+        """Parse a peer's layer table. With `region_sizes` (region id -> bytes, from the peer's
+        region descriptors) also check that every layer lies inside an existing region and that
+        layers sharing a region do not partly overlap (identical placements are allowed: layers
+        that share one KV tensor alias it)."""
         if not isinstance(data, list):
-            raise ProtocolError("layer table must be a list")
-        return cls(tuple(LayerPlacement.from_wire(item) for item in data))
+            raise ProtocolError(f"layer table must be a list, got {type(data).__name__}")
+        if not 0 < len(data) <= MAX_LAYERS:
+            raise ProtocolError(f"layer table must have 1..{MAX_LAYERS} layers, got {len(data)}")
+        layers = []
+        for index, item in enumerate(data):
+            try:
+                layers.append(LayerPlacement.from_wire(item))
+            except ProtocolError as e:
+                raise ProtocolError(f"layer {index}: {e}") from None
+        layout = cls(tuple(layers))
+        if region_sizes is not None:
+            layout.check_fits(region_sizes)
+        return layout
+
+    def check_fits(self, region_sizes: Mapping[int, int]) -> None:
+        """ProtocolError naming the layer that lies outside its region, or partly over another."""
+        by_region: dict[int, list[tuple[int, int, int]]] = {}
+        for index, layer in enumerate(self.layers):
+            size = region_sizes.get(layer.region_id)
+            if size is None:
+                raise ProtocolError(f"layer {index} is in region {layer.region_id}, which the peer does not have")
+            if layer.end > size:
+                raise ProtocolError(
+                    f"layer {index} ends at byte {layer.end}, beyond its region {layer.region_id} ({size} bytes)"
+                )
+            by_region.setdefault(layer.region_id, []).append((layer.offset, layer.end, index))
+        for region_id, spans in by_region.items():
+            spans.sort()
+            for (start, end, index), (next_start, next_end, next_index) in zip(spans, spans[1:]):
+                if next_start < end and (start, end) != (next_start, next_end):
+                    raise ProtocolError(
+                        f"layers {index} and {next_index} overlap in region {region_id} "
+                        f"(bytes {start}..{end} and {next_start}..{next_end})"
+                    )
 
 
 def check_compatible(local: dict, remote: dict, peer: str) -> None:
