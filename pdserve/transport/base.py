@@ -20,6 +20,10 @@ from enum import Enum
 from typing import NamedTuple
 
 from pdserve.errors import ProtocolError, TransferTimeout
+from pdserve.transport.shared_segment import segment_name_problem
+
+MAX_REGION_ID = (1 << 16) - 1
+MAX_REGION_BYTES = 1 << 48
 
 
 class CopyOp(NamedTuple):
@@ -72,31 +76,47 @@ class RegionDescriptor:
 
     @classmethod
     def from_wire(cls, data: dict) -> RegionDescriptor:
+        """Parse a peer's descriptor; ProtocolError naming the field that is missing, of the
+        wrong type (bools are not integers here) or out of range."""
         expected = {"region_id", "size", "shm_name", "address"}
         if not isinstance(data, dict) or set(data) != expected:
-            raise ProtocolError(f"region descriptor must have exactly the keys {sorted(expected)}, got {data!r}")
+            raise ProtocolError(f"region descriptor must have exactly the keys {sorted(expected)}, got {data!r:.200}")
         region_id, size, shm_name, address = (data[k] for k in ("region_id", "size", "shm_name", "address"))
-        if not isinstance(region_id, int) or not isinstance(size, int) or size < 0:
-            raise ProtocolError(f"region descriptor has a bad region_id/size: {data!r}")
-        if shm_name is not None and not isinstance(shm_name, str):
-            raise ProtocolError(f"region descriptor shm_name must be a string or None: {data!r}")
-        if address is not None and not isinstance(address, int):
-            raise ProtocolError(f"region descriptor address must be an int or None: {data!r}")
+        _check_int(region_id, "region_id", 0, MAX_REGION_ID)
+        _check_int(size, "size", 1, MAX_REGION_BYTES)
+        if address is not None:
+            _check_int(address, "address", 0, (1 << 64) - 1)
+        if shm_name is not None:
+            problem = segment_name_problem(shm_name)
+            if problem is not None:
+                raise ProtocolError(f"region descriptor {region_id}: {problem}")
         return cls(region_id, size, shm_name, address)
 
 
-class TransferHandle:
-    """One submitted batch. The transport sets its status once, from PENDING to DONE or FAILED."""
+def _check_int(value, name: str, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"region descriptor {name} must be an integer, got {type(value).__name__} {value!r:.40}")
+    if not low <= value <= high:
+        raise ProtocolError(f"region descriptor {name} {value} is outside {low}..{high}")
 
-    def __init__(self, peer_id: str, direction: Direction, num_bytes: int):
+
+class TransferHandle:
+    """One submitted batch. Its status goes once from PENDING to DONE or FAILED: set by the
+    transport, or by `cancel` while the copy has not started. `not_after` (a time.monotonic()
+    deadline, or None) is the latest moment the copy may start; the transport fails it after."""
+
+    def __init__(self, peer_id: str, direction: Direction, num_bytes: int, not_after: float | None = None):
         self.peer_id = peer_id
         self.direction = direction
         self.num_bytes = num_bytes
+        self.not_after = not_after
         self.status = TransferStatus.PENDING
         self.error: str | None = None
-        self.started = time.monotonic()
+        self.started = time.monotonic()  # submit time
         self.finished: float | None = None
         self.copy_seconds: float | None = None  # time spent copying, queueing excluded (set by the backend)
+        self._copying = False
+        self._lock = threading.Lock()
         self._done = threading.Event()
 
     @property
@@ -104,8 +124,30 @@ class TransferHandle:
         """Time from submit to completion, None while pending."""
         return None if self.finished is None else self.finished - self.started
 
+    def begin(self) -> bool:
+        """Called by the transport right before copying: False if the handle is already
+        finished (cancelled), else it can no longer be cancelled."""
+        with self._lock:
+            if self.status is not TransferStatus.PENDING:
+                return False
+            self._copying = True
+            return True
+
+    def cancel(self, error: str = "cancelled") -> bool:
+        """Fail the handle if its copy has not begun; True if it did, False if it is copying or
+        finished already."""
+        with self._lock:
+            if self._copying or self.status is not TransferStatus.PENDING:
+                return False
+            self._finish(TransferStatus.FAILED, error)
+            return True
+
     def finish(self, status: TransferStatus, error: str | None = None) -> None:
         """Called by the transport, exactly once, when the batch completed or failed."""
+        with self._lock:
+            self._finish(status, error)
+
+    def _finish(self, status: TransferStatus, error: str | None) -> None:
         if status is TransferStatus.PENDING:
             raise ValueError("a transfer can only finish as DONE or FAILED")
         if self.status is not TransferStatus.PENDING:
@@ -163,13 +205,22 @@ class Transport(ABC):
         """Forget a peer (unmap its regions). Unknown peers are ignored."""
 
     @abstractmethod
-    def submit(self, peer_id: str, direction: Direction, batch: Sequence[RegionOps]) -> TransferHandle:
+    def submit(
+        self, peer_id: str, direction: Direction, batch: Sequence[RegionOps], *, not_after: float | None = None
+    ) -> TransferHandle:
         """Start copying `batch` to (WRITE) or from (READ) the peer; returns at once.
 
         Never raises for a bad batch: an unknown peer or region, or an op out of either region's
         bounds, fails the handle (status FAILED, `error` naming region, offset and length) before
-        any byte of the batch is copied.
+        any byte of the batch is copied. A batch whose copy would begin after `not_after` (a
+        time.monotonic() deadline) fails with "deadline passed before the copy started".
         """
+
+    def cancel(self, handle: TransferHandle) -> bool:
+        """Fail `handle` (status FAILED, error "cancelled") if its copy has not begun; returns
+        True then, False when it is already copying or finished. Batches run one after another,
+        and each is checked right before it begins."""
+        return handle.cancel()
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
         """The handle's current status, without blocking."""

@@ -56,8 +56,13 @@ class CorruptingTransport(Transport):
     def detach_peer(self, peer_id: str) -> None:
         self.inner.detach_peer(peer_id)
 
-    def submit(self, peer_id: str, direction: Direction, batch: Sequence[RegionOps]) -> TransferHandle:
-        return self.inner.submit(peer_id, direction, batch)
+    def submit(
+        self, peer_id: str, direction: Direction, batch: Sequence[RegionOps], *, not_after: float | None = None
+    ) -> TransferHandle:
+        return self.inner.submit(peer_id, direction, batch, not_after=not_after)
+
+    def cancel(self, handle: TransferHandle) -> bool:
+        return self.inner.cancel(handle)
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
         return self.inner.poll(handle)

@@ -8,15 +8,24 @@ creating process exits. Names carry the creator's pid (`pdserve-<pid>-<token>-<s
 `unlink_name()` goes further: it keeps an open descriptor and removes the name at once, so the
 segment lives exactly as long as the owning process (even one killed with SIGKILL) and peers
 open it as `/proc/<owner pid>/fd/<fd>` (same user only, which is what we want).
+
+A peer names the segment we map read-write, so `attach` maps only what really is a pdserve
+segment: a `pdserve-<pid>-...` name in /dev/shm that is a regular file (no symlink), or a
+`/proc/<pid>/fd/<n>` whose target is `/dev/shm/pdserve-<that pid>-...` (" (deleted)" once
+unlinked; the target reads so even when the owner's /dev/shm is a private mount in another
+mount namespace). Segments are created with their pages allocated (`posix_fallocate`): a sparse
+file on a too-small /dev/shm would turn into SIGBUS at the first touch.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
 import re
+import stat
 
 from pdserve.errors import TransferError
 
@@ -24,9 +33,25 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "pdserve-"
+MAX_NAME_CHARS = 255
 _NAME_PART = re.compile(r"^[A-Za-z0-9_.]+$")
 _OWNED_NAME = re.compile(r"^pdserve-(\d+)-")
-_PROC_FD = re.compile(r"^/proc/\d+/fd/\d+$")
+_SEGMENT_NAME = re.compile(r"^pdserve-\d+-[A-Za-z0-9_.-]+\Z")
+_PROC_FD = re.compile(r"^/proc/(\d+)/fd/\d+\Z")
+_PROC_FD_TARGET = re.compile(r"^/dev/shm/pdserve-(\d+)-[A-Za-z0-9_.-]+(?: \(deleted\))?\Z")
+_ATTACH_FLAGS = os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def segment_name_problem(name) -> str | None:
+    """Why `name` cannot name a peer's segment (None if it can): `pdserve-<pid>-<...>` in
+    /dev/shm, or `/proc/<pid>/fd/<n>`."""
+    if not isinstance(name, str) or not name:
+        return f"shm segment name must be a non-empty string, got {name!r:.80}"
+    if len(name) > MAX_NAME_CHARS:
+        return f"shm segment name is {len(name)} characters long (max {MAX_NAME_CHARS})"
+    if not (_SEGMENT_NAME.match(name) or _PROC_FD.match(name)):
+        return f"shm segment name {name!r} is neither pdserve-<pid>-<name> nor /proc/<pid>/fd/<n>"
+    return None
 
 
 def segment_name(token: str, suffix: str) -> str:
@@ -64,31 +89,46 @@ class SharedSegment:
         except OSError as e:
             raise TransferError(f"cannot create shm segment {path}: {e}") from e
         try:
-            os.ftruncate(fd, size)
+            _allocate(fd, path, size)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
+        except (OSError, TransferError) as e:
             os.close(fd)
             os.unlink(path)
+            if isinstance(e, TransferError):
+                raise
             raise TransferError(f"cannot size/map shm segment {path} ({size} bytes): {e}") from e
         os.close(fd)
         return cls(name, size, mm, owner=True)
 
     @classmethod
     def attach(cls, name: str, size: int | None = None) -> SharedSegment:
-        """Map an existing segment (all of it, or its first `size` bytes, which must exist)."""
-        path = _path(name)
+        """Map an existing pdserve segment (all of it, or its first `size` bytes, which must
+        exist); TransferError saying why when `name` is not one (see the module docstring)."""
+        problem = segment_name_problem(name)
+        if problem is not None:
+            raise TransferError(problem)
+        proc = _PROC_FD.match(name)
+        path = name if proc else os.path.join(SHM_DIR, name)
+        if proc:
+            _check_proc_target(path, path, int(proc.group(1)))
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, _ATTACH_FLAGS | (0 if proc else os.O_NOFOLLOW))
         except FileNotFoundError:
             raise TransferError(f"shm segment {path} does not exist") from None
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise TransferError(f"shm segment {path} is a symbolic link, not a pdserve segment") from None
             raise TransferError(f"cannot open shm segment {path}: {e}") from e
         try:
-            actual = os.fstat(fd).st_size
+            if proc:  # what we opened, not what the link said a moment ago
+                _check_proc_target(f"/proc/self/fd/{fd}", path, int(proc.group(1)))
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise TransferError(f"shm segment {path} is not a regular file")
             if size is None:
-                size = actual
-            if size <= 0 or actual < size:
-                raise TransferError(f"shm segment {path} has {actual} bytes, need {size}")
+                size = info.st_size
+            if size <= 0 or info.st_size < size:
+                raise TransferError(f"shm segment {path} has {info.st_size} bytes, need {size}")
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             raise TransferError(f"cannot map shm segment {path}: {e}") from e
@@ -180,9 +220,37 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _allocate(fd: int, path: str, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        try:
+            usage = os.statvfs(os.path.dirname(path))
+            free = f"{usage.f_bavail * usage.f_frsize} bytes"
+        except OSError:
+            free = "unknown"
+        raise TransferError(
+            f"not enough space in {os.path.dirname(path)} for {os.path.basename(path)}: need {size} bytes, free {free}"
+        ) from None
+
+
+def _check_proc_target(link: str, path: str, pid: int) -> None:
+    try:
+        target = os.readlink(link)
+    except FileNotFoundError:
+        raise TransferError(f"shm segment {path} does not exist") from None
+    except OSError as e:
+        raise TransferError(f"cannot read shm segment link {path}: {e}") from e
+    match = _PROC_FD_TARGET.match(target)
+    if match is None or int(match.group(1)) != pid:
+        raise TransferError(f"{path} points at {target!r:.200}, not at a pdserve segment of process {pid}")
+
+
 def _path(name: str) -> str:
     if _PROC_FD.match(name):
         return name
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"bad shm segment name {name!r}")
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise TransferError(f"bad shm segment name {name!r}")
     return os.path.join(SHM_DIR, name)

@@ -2,7 +2,8 @@
 
 No socket and no serialisation on the data path: one background thread runs each submitted batch
 as a series of `ctypes.memmove` calls (which release the GIL) between our region and the mapped
-peer region, then marks the batch's handle DONE or FAILED.
+peer region, then marks the batch's handle DONE or FAILED. Before each batch it skips a handle
+that was cancelled and fails one whose `not_after` deadline has passed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -53,7 +55,11 @@ class _PeerMapping:
         self.descriptors = descriptors
         self.segments: dict[int, SharedSegment] = {}
         errors = []
+        region_ids = Counter(desc.region_id for desc in descriptors)
         for desc in descriptors:
+            if region_ids[desc.region_id] > 1:
+                errors.append(f"region {desc.region_id} is described more than once")
+                continue
             if desc.shm_name is None:
                 errors.append(f"region {desc.region_id} has no shm segment name")
                 continue
@@ -129,10 +135,12 @@ class ShmTransport(Transport):
         """Install a hook run after each successful batch (test-only; see CorruptingTransport)."""
         self._copy_hook = hook
 
-    def submit(self, peer_id: str, direction: Direction, batch: Sequence[RegionOps]) -> TransferHandle:
+    def submit(
+        self, peer_id: str, direction: Direction, batch: Sequence[RegionOps], *, not_after: float | None = None
+    ) -> TransferHandle:
         batch = tuple(batch)
         num_bytes = sum(op.length for region_ops in batch for op in region_ops.ops)
-        handle = TransferHandle(peer_id, direction, num_bytes)
+        handle = TransferHandle(peer_id, direction, num_bytes, not_after)
         if self._closed:
             handle.finish(TransferStatus.FAILED, f"transport {self.name} is closed")
             return handle
@@ -152,8 +160,8 @@ class ShmTransport(Transport):
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None and job.handle.status is TransferStatus.PENDING:
-                job.handle.finish(TransferStatus.FAILED, f"transport {self.name} closed before the transfer ran")
+            if job is not None:
+                job.handle.cancel(f"transport {self.name} closed before the transfer ran")
         with self._mapping_lock:
             peers, self._peers = self._peers, {}
         for mapping in peers.values():
@@ -164,21 +172,27 @@ class ShmTransport(Transport):
             job = self._jobs.get()
             if job is None:
                 return
+            handle = job.handle
             if self._closed:
-                job.handle.finish(TransferStatus.FAILED, f"transport {self.name} closed before the transfer ran")
+                handle.cancel(f"transport {self.name} closed before the transfer ran")
                 continue
+            if handle.not_after is not None and time.monotonic() > handle.not_after:
+                handle.cancel("deadline passed before the copy started")
+                continue
+            if not handle.begin():
+                continue  # cancelled while queued
             began = time.perf_counter()
             try:
                 with self._mapping_lock:
                     error = self._execute(job)
             except Exception as e:  # noqa: BLE001 - a failure must reach the handle, not kill the thread
                 error = f"copy failed: {type(e).__name__}: {e}"
-            job.handle.copy_seconds = time.perf_counter() - began
+            handle.copy_seconds = time.perf_counter() - began
             if error is None:
-                job.handle.finish(TransferStatus.DONE)
+                handle.finish(TransferStatus.DONE)
             else:
-                logger.debug("transfer to %s failed: %s", job.handle.peer_id, error)
-                job.handle.finish(TransferStatus.FAILED, error)
+                logger.debug("transfer to %s failed: %s", handle.peer_id, error)
+                handle.finish(TransferStatus.FAILED, error)
 
     def _execute(self, job: _Job) -> str | None:
         """Check every op, then copy them all; returns an error message or None."""

@@ -46,5 +46,5 @@ def test_region_descriptor_wire_round_trip_and_rejection():
     assert RegionDescriptor.from_wire(desc.to_wire()) == desc
     with pytest.raises(ProtocolError, match="exactly the keys"):
         RegionDescriptor.from_wire({"region_id": 1, "size": 2})
-    with pytest.raises(ProtocolError, match="region_id/size"):
+    with pytest.raises(ProtocolError, match="region_id must be an integer"):
         RegionDescriptor.from_wire({"region_id": "1", "size": 2, "shm_name": None, "address": None})
