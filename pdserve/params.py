@@ -9,12 +9,20 @@ Unknown keys (vllm-router adds `remote_dp_size`, `remote_tp_size`, ...) are igno
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pdserve.config import Role
-from pdserve.control.address import PeerAddress, parse_request_id
+from pdserve.control.address import PeerAddress, check_host, parse_request_id
 from pdserve.errors import ProtocolError
+
+MAX_TRANSFER_ID_CHARS = 256
+MAX_BLOCK_IDS = 1 << 20  # far above any prompt's blocks
+MAX_BLOCK_ID = (1 << 40) - 1
+
+_DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,7 @@ class TransferParams:
     peer: PeerAddress | None  # None when neither explicit fields nor the request id name one
     remote_block_ids: tuple[int, ...] | None  # READ: P's blocks, sent back by P
     hold_expires_at: float | None  # READ: unix time after which P may free its blocks
+    prompt_hash: str | None = None  # READ: digest of the prompt P computed (prompt_digest.py)
 
     def require_peer(self) -> PeerAddress:
         if self.peer is None:
@@ -52,9 +61,7 @@ def _port(raw: Mapping[str, Any], key: str) -> int:
 
 def _peer(raw: Mapping[str, Any], request_id: str, role: Role) -> PeerAddress | None:
     if raw.get("remote_host") is not None:
-        host = raw["remote_host"]
-        if not isinstance(host, str) or not host:
-            raise ProtocolError(f"kv_transfer_params.remote_host must be a host name, got {host!r}")
+        host = check_host(raw["remote_host"], "kv_transfer_params.remote_host")
         return PeerAddress(host, _port(raw, "remote_handshake_port"), _port(raw, "remote_notify_port"))
     pair = parse_request_id(request_id)
     if pair is None:
@@ -76,21 +83,39 @@ def parse_transfer_params(
     if not _flag(raw, wanted):
         return None
     transfer_id = raw.get("transfer_id")
-    if not isinstance(transfer_id, str) or not transfer_id or len(transfer_id) > 256:
-        raise ProtocolError(f"kv_transfer_params.transfer_id must be a non-empty string, got {transfer_id!r}")
+    if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS:
+        raise ProtocolError(
+            f"kv_transfer_params.transfer_id must be a string of 1..{MAX_TRANSFER_ID_CHARS} characters, got {transfer_id!r:.80}"
+        )
     block_ids = raw.get("remote_block_ids")
     if block_ids is not None:
-        if not isinstance(block_ids, list) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids
+        if not isinstance(block_ids, list) or len(block_ids) > MAX_BLOCK_IDS or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= MAX_BLOCK_ID for b in block_ids
         ):
-            raise ProtocolError("kv_transfer_params.remote_block_ids must be a list of block numbers")
+            raise ProtocolError(
+                f"kv_transfer_params.remote_block_ids must be a list of at most {MAX_BLOCK_IDS} block numbers "
+                f"(0..{MAX_BLOCK_ID})"
+            )
         block_ids = tuple(block_ids)
     expires = raw.get("hold_expires_at")
-    if expires is not None and (isinstance(expires, bool) or not isinstance(expires, (int, float))):
-        raise ProtocolError(f"kv_transfer_params.hold_expires_at must be a unix time, got {expires!r}")
+    if expires is not None and (
+        isinstance(expires, bool) or not isinstance(expires, (int, float)) or not _finite(expires) or expires < 0
+    ):
+        raise ProtocolError(f"kv_transfer_params.hold_expires_at must be a unix time, got {expires!r:.40}")
+    prompt_hash = raw.get("prompt_hash")
+    if prompt_hash is not None and (not isinstance(prompt_hash, str) or not _DIGEST.fullmatch(prompt_hash)):
+        raise ProtocolError(f"kv_transfer_params.prompt_hash must be 32 lowercase hex digits, got {prompt_hash!r:.40}")
     return TransferParams(
+        prompt_hash=prompt_hash,
         transfer_id=transfer_id,
         peer=_peer(raw, request_id, role),
         remote_block_ids=block_ids,
         hold_expires_at=float(expires) if expires is not None else None,
     )
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too big for a float
+        return False

@@ -2,7 +2,9 @@
 
 In MoRIIO mode vllm-router (0.1.17) puts both instances' registered zmq addresses into the
 request id: `___prefill_addr_<zmq>___decode_addr_<zmq>_<32 hex>`, to which vLLM may add a prefix
-(`cmpl-`) and suffixes (`-0-abcdef12`, `-abcdef12`).
+(`cmpl-`) and suffixes (`-0-abcdef12`, `-abcdef12`). Request ids come from clients (the
+X-Request-ID header), so parsing is bounded: ids are looked at up to MAX_REQUEST_ID_CHARS, an
+address holds no underscore, and a host is an IP address or a DNS name.
 """
 
 from __future__ import annotations
@@ -12,10 +14,22 @@ from dataclasses import dataclass
 
 from pdserve.errors import ProtocolError
 
+MAX_REQUEST_ID_CHARS = 1024
+MAX_HOST_CHARS = 255
+_MARKER = "___prefill_addr_"
 _REQUEST_ID = re.compile(
-    r"___prefill_addr_(?P<prefill>.+?)___decode_addr_(?P<decode>.+?)_(?P<uid>[0-9a-fA-F]{32})(?:-[0-9A-Za-z-]*)?$"
+    r"___prefill_addr_(?P<prefill>[^_]+)___decode_addr_(?P<decode>[^_]+)_(?P<uid>[0-9a-fA-F]{32})(?:-[0-9A-Za-z-]*)?\Z"
 )
+_HOST = re.compile(r"^[A-Za-z0-9.:%-]+\Z")  # IPv4, IPv6 (with a %zone), DNS names
+_PORT = re.compile(r"^[0-9]{1,5}\Z")
 _KEYS = ("host", "handshake", "notify")
+
+
+def check_host(host, where: str) -> str:
+    """`host` if it is a plausible IP address or DNS name, else ProtocolError naming `where`."""
+    if not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS or not _HOST.match(host):
+        raise ProtocolError(f"{where}: bad host {host!r:.80} (an IP address or DNS name)")
+    return host
 
 
 @dataclass(frozen=True)
@@ -36,16 +50,16 @@ def parse_zmq_address(text: str) -> PeerAddress:
     for segment in text.split(","):
         key, sep, value = segment.strip().partition(":")
         if not sep or not value:
-            raise ProtocolError(f"zmq address {text!r}: segment {segment!r} is not key:value")
+            raise ProtocolError(f"zmq address {text!r:.300}: segment {segment!r:.80} is not key:value")
         if key not in _KEYS:
-            raise ProtocolError(f"zmq address {text!r}: unknown key {key!r} (expected {', '.join(_KEYS)})")
+            raise ProtocolError(f"zmq address {text!r:.300}: unknown key {key!r:.40} (expected {', '.join(_KEYS)})")
         if key in fields:
-            raise ProtocolError(f"zmq address {text!r}: key {key!r} given twice")
+            raise ProtocolError(f"zmq address {text!r:.300}: key {key!r} given twice")
         fields[key] = value
     missing = [k for k in _KEYS if k not in fields]
     if missing:
-        raise ProtocolError(f"zmq address {text!r}: missing {', '.join(missing)}")
-    host = fields["host"].strip("[]")
+        raise ProtocolError(f"zmq address {text!r:.300}: missing {', '.join(missing)}")
+    host = check_host(fields["host"].strip("[]"), f"zmq address {text!r:.300}")
     return PeerAddress(host, _port(text, fields["handshake"]), _port(text, fields["notify"]))
 
 
@@ -57,8 +71,13 @@ def parse_request_id(request_id: str) -> tuple[PeerAddress, PeerAddress] | None:
     """(prefill, decode) addresses from a vllm-router request id.
 
     Returns None when the id does not carry router addresses at all (a request that did not come
-    through vllm-router's MoRIIO mode); raises ProtocolError when it does but an address is malformed.
+    through vllm-router's MoRIIO mode); raises ProtocolError when it does but an address is malformed,
+    or the id is longer than any router id (MAX_REQUEST_ID_CHARS).
     """
+    if not isinstance(request_id, str) or _MARKER not in request_id:
+        return None
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ProtocolError(f"request id of {len(request_id)} characters carries router addresses (max {MAX_REQUEST_ID_CHARS})")
     match = _REQUEST_ID.search(request_id)
     if match is None:
         return None
@@ -66,6 +85,6 @@ def parse_request_id(request_id: str) -> tuple[PeerAddress, PeerAddress] | None:
 
 
 def _port(text: str, value: str) -> int:
-    if not value.isdigit() or not 0 < int(value) < 65536:
-        raise ProtocolError(f"zmq address {text!r}: bad port {value!r}")
+    if not _PORT.match(value) or not 0 < int(value) < 65536:
+        raise ProtocolError(f"zmq address {text!r:.300}: bad port {value!r:.40}")
     return int(value)

@@ -95,3 +95,30 @@ def test_malformed_router_address_in_the_request_id_is_a_protocol_error():
     bad = ROUTER_ID.replace("handshake:6301", "handshake:63x1")
     with pytest.raises(ProtocolError, match="63x1"):
         parse_transfer_params(ROUTER_D, bad, Role.CONSUMER)
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({**ROUTER_D, "hold_expires_at": float("nan")}, "hold_expires_at"),
+    ({**ROUTER_D, "hold_expires_at": float("inf")}, "hold_expires_at"),
+    ({**ROUTER_D, "hold_expires_at": -1}, "hold_expires_at"),
+    ({**ROUTER_D, "remote_block_ids": [1 << 62]}, "remote_block_ids"),
+    ({**ROUTER_D, "remote_host": "a b", "remote_handshake_port": 1, "remote_notify_port": 1}, "remote_host"),
+    ({**ROUTER_D, "remote_host": "evil/../x", "remote_handshake_port": 1, "remote_notify_port": 1}, "remote_host"),
+    ({**ROUTER_D, "remote_host": "h" * 300, "remote_handshake_port": 1, "remote_notify_port": 1}, "remote_host"),
+])
+def test_values_that_pass_a_type_check_but_not_a_range_check_are_rejected(raw, field):
+    with pytest.raises(ProtocolError) as info:
+        parse_transfer_params(raw, ROUTER_ID, Role.CONSUMER)
+    assert field in str(info.value)
+
+
+def test_a_prompt_hash_with_a_trailing_newline_is_rejected():
+    raw = {**ROUTER_D, "prompt_hash": "0123456789abcdef0123456789abcdef\n"}
+    with pytest.raises(ProtocolError, match="prompt_hash"):
+        parse_transfer_params(raw, ROUTER_ID, Role.CONSUMER)
+
+
+def test_a_router_id_with_a_port_in_other_digits_is_a_protocol_error():
+    bad = ROUTER_ID.replace("handshake:6301", "handshake:\u00b2")  # str.isdigit() says yes, int() says no
+    with pytest.raises(ProtocolError, match="bad port"):
+        parse_transfer_params(ROUTER_D, bad, Role.CONSUMER)

@@ -65,3 +65,33 @@ def test_request_ids_without_router_addresses_give_none():
 def test_router_shaped_request_id_with_bad_address_raises():
     with pytest.raises(ProtocolError, match="unknown key '127.0.0.1'"):
         parse_request_id(f"___prefill_addr_127.0.0.1:28101___decode_addr_{D}_{UID}")
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("host:1.2.3.4,handshake:\u00b2,notify:2", "bad port"),  # isdigit() but not int()-able
+        ("host:1.2.3.4,handshake:\u0663,notify:2", "bad port"),  # an Arabic-Indic digit
+        ("host:1.2.3.4,handshake:0,notify:2", "bad port '0'"),
+        ("host:[],handshake:1,notify:2", "bad host ''"),
+        ("host:a b,handshake:1,notify:2", "bad host 'a b'"),
+        ("host:evil/path,handshake:1,notify:2", "bad host"),
+        ("host:" + "a" * 300 + ",handshake:1,notify:2", "bad host"),
+    ],
+)
+def test_malformed_ports_and_hosts_are_protocol_errors(text, error):
+    with pytest.raises(ProtocolError, match=error):
+        parse_zmq_address(text)
+
+
+def test_long_router_shaped_request_ids_are_refused_quickly():
+    """Request ids come from clients; the old lazy pattern took seconds on ids like this."""
+    import time
+
+    near_miss = "___prefill_addr_a___decode_addr_b_" + "0" * 31 + "g"
+    start = time.monotonic()
+    assert parse_request_id(near_miss * 15) is None
+    with pytest.raises(ProtocolError, match="characters carries router addresses"):
+        parse_request_id(near_miss * 400)
+    assert parse_request_id("x" * 100_000) is None
+    assert time.monotonic() - start < 0.5
