@@ -24,12 +24,15 @@ def instance_leader(port: int) -> int:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
+        pid = int(entry.name)
         try:
-            argv = open(f"/proc/{entry.name}/cmdline", "rb").read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            leader = os.getpgid(pid) == pid
         except OSError:
-            continue
-        if b"pdserve.vllm_cli" in argv and str(port).encode() in argv and os.getpgid(int(entry.name)) == int(entry.name):
-            return int(entry.name)
+            continue  # gone meanwhile
+        if leader and b"pdserve.vllm_cli" in argv and str(port).encode() in argv:
+            return pid
     raise AssertionError(f"no vLLM instance on port {port}")
 
 
@@ -49,7 +52,8 @@ def test_sigkilled_instance_leaves_nothing_in_dev_shm(tmp_path):
         assert any(n.startswith("psm_") for n in private), private  # vLLM's segments: the test is not vacuous
         if namespace_available():
             assert not set(private) & set(os.listdir("/dev/shm")), "the instance's segments are on the host"
-            mount = [m for m in open(f"/proc/{leader}/mountinfo").read().splitlines() if " /dev/shm " in m][-1]
+            with open(f"/proc/{leader}/mountinfo") as f:
+                mount = [m for m in f.read().splitlines() if " /dev/shm " in m][-1]
             assert f"tmpfs {MOUNT_SOURCE} " in mount and f"size={tmpfs_bytes(KV_CACHE) >> 10}k" in mount
         os.killpg(leader, signal.SIGKILL)
         _, stderr = up.communicate(timeout=120)

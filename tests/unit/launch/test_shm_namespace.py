@@ -69,7 +69,8 @@ def test_sigkilled_tree_leaves_the_hosts_dev_shm_as_it_was(tmp_path):
         assert private == [f"psm_{token}", f"sem.{token}-child"]  # the tree's own /dev/shm, whichever it is
         if namespace_available():
             assert host_entries(token) == []  # private: never visible on the host
-            mounts = open(f"/proc/{process.pid}/mountinfo").read().splitlines()
+            with open(f"/proc/{process.pid}/mountinfo") as f:
+                mounts = f.read().splitlines()
             shm_mount = [m for m in mounts if " /dev/shm " in m][-1]
             assert f"tmpfs {MOUNT_SOURCE} " in shm_mount and "size=65536k" in shm_mount
         else:
@@ -104,3 +105,18 @@ def test_an_inode_held_in_a_private_namespace_does_not_protect_the_hosts_file_of
             process.stop(time.monotonic() + 5)
     finally:
         os.unlink(host_file)
+
+
+def test_without_unshare_one_warning_and_the_sweep_instead(monkeypatch, caplog):
+    from pdserve.launch import shm_namespace
+
+    monkeypatch.setattr(shm_namespace.shutil, "which", lambda name: None)
+    namespace_available.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="pdserve.launch.shm_namespace"):
+            assert confine(("true",), 1 << 20) == (("true",), True)
+            assert confine(("false",), 1 << 20) == (("false",), True)
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1 and "no unshare command" in warnings[0] and "sweeping" in warnings[0]
+    finally:
+        namespace_available.cache_clear()  # the next caller probes the real machine again
