@@ -1,8 +1,9 @@
 """Two TransferEngines (P and D) in one process, moving real bytes through ShmTransport.
 
-No vLLM process, no sockets: a FakeNotifier delivers control messages straight to the other
-engine's `on_message` (or drops them), and the handshake function answers from the other side's
-transport and layout.
+No vLLM process, no sockets: a FakeNotifier delivers control messages straight to the engine
+of whichever instance listens at the address now (or drops them), only when they are addressed
+to that instance's incarnation, and the handshake function answers from that instance's
+transport and layout. `Pair.restart` puts a new incarnation at P's or D's address.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from dataclasses import dataclass, field
 
 from pdserve.config import ConnectorConfig, TransferMode, parse_connector_config
 from pdserve.connector.engine import Finished, TransferEngine
+from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout, LayerPlacement
 from pdserve.connector.peers import HandshakeResult
+from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.control.address import PeerAddress
-from pdserve.control.messages import ReadDone
-from pdserve.errors import PDServeError
 from pdserve.transport import SharedSegment, ShmTransport, segment_name
 
 NUM_LAYERS = 2
@@ -28,11 +29,13 @@ D_ADDRESS = PeerAddress("127.0.0.1", 6302, 6402)
 P_IDENTITY = "127.0.0.1:6301/p"
 D_IDENTITY = "127.0.0.1:6302/d"
 
-FAST = {"transfer_timeout": 5.0, "defer_timeout": 5.0, "release_grace": 5.0}
+FAST = {"transfer_timeout": 5.0, "defer_timeout": 5.0, "release_grace": 0.5}
+PROMPT_HASH = prompt_digest(range(100))
+OTHER_PROMPT_HASH = prompt_digest(range(1, 101))
 
 
-def make_config(kv_role: str, mode: TransferMode, **timeouts) -> ConnectorConfig:
-    extra = {**FAST, **timeouts, "read_mode": mode is TransferMode.READ}
+def make_config(kv_role: str, mode: TransferMode, **overrides) -> ConnectorConfig:
+    extra = {**FAST, **overrides, "read_mode": mode is TransferMode.READ}
     if kv_role == "kv_producer":
         extra.update(handshake_port=P_ADDRESS.handshake_port, notify_port=P_ADDRESS.notify_port)
     else:
@@ -44,33 +47,42 @@ def make_config(kv_role: str, mode: TransferMode, **timeouts) -> ConnectorConfig
 class Sent:
     address: PeerAddress
     message: object
+    recipient: str = ""
+    at: float = field(default_factory=time.monotonic)
 
 
 class FakeNotifier:
-    """Records every notify; delivers it to the engine registered for the address unless `drop`."""
+    """Records every notify; delivers it to the instance registered for the address unless
+    `drop`, and only if it is addressed to that instance's incarnation (what the real codec
+    enforces). With `refuse`, nothing can be queued: notify answers False (unreachable peer)."""
 
     def __init__(self, sender_identity: str):
         self.sender_identity = sender_identity
         self.sent: list[Sent] = []
-        self.asked: list[Sent] = []
-        self.targets: dict[PeerAddress, TransferEngine] = {}
+        self.delivered: list[Sent] = []
+        self.fenced: list[Sent] = []
+        self.targets: dict[tuple[str, int], Instance] = {}
+        self.forgotten: list[PeerAddress] = []
         self.drop = False
+        self.refuse = False
 
-    def notify(self, address: PeerAddress, message) -> None:
-        self.sent.append(Sent(address, message))
-        target = self.targets.get(address)
-        if target is not None and not self.drop:
-            target.on_message(self.sender_identity, message)
-
-    def ask(self, address: PeerAddress, message):
-        """A request to the peer's handshake port (READ: ReadDone -> ReadAck); runs on a pool thread."""
-        self.asked.append(Sent(address, message))
-        target = self.targets.get(address)
+    def notify(self, address: PeerAddress, message, recipient: str) -> bool:
+        sent = Sent(address, message, recipient)
+        self.sent.append(sent)
+        if self.refuse:
+            return False
+        target = self.targets.get((address.host, address.notify_port))
         if target is None or self.drop:
-            raise PDServeError(f"no answer from {address.host}:{address.handshake_port}")
-        if isinstance(message, ReadDone):
-            return target.answer_read_done(message)
-        raise PDServeError(f"the fake peer does not answer {type(message).__name__}")
+            return True
+        if recipient != target.identity:
+            self.fenced.append(sent)
+            return True
+        self.delivered.append(sent)
+        target.engine.on_message(self.sender_identity, message)
+        return True
+
+    def forget(self, address: PeerAddress) -> None:
+        self.forgotten.append(address)
 
     def messages(self, kind: type) -> list:
         return [s.message for s in self.sent if isinstance(s.message, kind)]
@@ -91,10 +103,12 @@ class Instance:
     handshake_delay_s: float = 0.0  # a peer that answers slowly
     advertised_layout: KvLayout | None = None  # what the handshake claims, when not `layout`
     handshakes: int = 0
+    liveness: tuple = ()  # (pid, start_time, boot_id) a handshake reports; () = unknown (never "gone")
     sending: set[str] = field(default_factory=set)
     recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    reported_at: dict[str, float] = field(default_factory=dict)  # request id -> when it was first reported
 
     # ---- KV bytes --------------------------------------------------------------------------
 
@@ -123,6 +137,9 @@ class Instance:
         self.engine.pump()
         out = self.engine.take_finished(set(self.finished_req_ids))
         self.finished_req_ids.clear()
+        now = time.monotonic()
+        for request_id in out.sending | out.recving:
+            self.reported_at.setdefault(request_id, now)
         self.sending |= out.sending
         self.recving |= out.recving
         self.failed_recving |= out.failed_recving
@@ -135,7 +152,13 @@ class Instance:
         if self.handshake_error:
             return HandshakeResult(address, error=self.handshake_error)
         layout = self.advertised_layout or self.layout
-        return HandshakeResult(address, self.identity, tuple(self.transport.local_descriptors()), layout)
+        return HandshakeResult(address, Incarnation(self.identity, *self.liveness),
+                               tuple(self.transport.local_descriptors()), layout)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.transport.close()
+        self.segment.close()
 
 
 def _make_side(name: str, identity: str, layer_offset: int, num_blocks: int = NUM_BLOCKS) -> Instance:
@@ -152,21 +175,52 @@ def _make_side(name: str, identity: str, layer_offset: int, num_blocks: int = NU
     return Instance(name, segment, transport, layout, FakeNotifier(identity), identity)
 
 
+P_LAYER_OFFSET = 0
+D_LAYER_OFFSET = 3 * BLOCK_BYTES
+
+
 class Pair:
     """P and D wired to each other. Use as a context manager."""
 
     def __init__(self, mode: TransferMode, p_timeouts: dict | None = None, d_timeouts: dict | None = None):
         self.mode = mode
-        self.p = _make_side("p", P_IDENTITY, layer_offset=0)
-        self.d = _make_side("d", D_IDENTITY, layer_offset=3 * BLOCK_BYTES)
+        self.p = _make_side("p", P_IDENTITY, layer_offset=P_LAYER_OFFSET)
+        self.d = _make_side("d", D_IDENTITY, layer_offset=D_LAYER_OFFSET)
+        self.retired: list[Instance] = []  # incarnations replaced by `restart`, closed at the end
         self.p_config = make_config("kv_producer", mode, **(p_timeouts or {}))
         self.d_config = make_config("kv_consumer", mode, **(d_timeouts or {}))
-        self.p.engine = TransferEngine(self.p_config, self.p.layout, self.p.transport, self.p.notifier, self.d.handshake)
-        self.d.engine = TransferEngine(self.d_config, self.d.layout, self.d.transport, self.d.notifier, self.p.handshake)
-        self.p.notifier.targets[D_ADDRESS] = self.d.engine
-        self.d.notifier.targets[P_ADDRESS] = self.p.engine
+        # Each side handshakes whoever listens at the other's address *now* (see `restart`).
+        self.p.engine = self._engine(self.p, self.p_config, lambda address: self.d.handshake(address))
+        self.d.engine = self._engine(self.d, self.d_config, lambda address: self.p.handshake(address))
+        self.p.notifier.targets[(D_ADDRESS.host, D_ADDRESS.notify_port)] = self.d
+        self.d.notifier.targets[(P_ADDRESS.host, P_ADDRESS.notify_port)] = self.p
         self.p.fill(seed=11)
         self.d.fill(seed=200)
+
+    @staticmethod
+    def _engine(side: Instance, config: ConnectorConfig, handshake) -> TransferEngine:
+        return TransferEngine(config, side.layout, side.transport, side.notifier, handshake)
+
+    def restart(self, which: str, identity: str, seed: int) -> Instance:
+        """A new incarnation of P ("p") or D ("d") at the same address: its own segment, bytes
+        (`seed`), transport and engine. The old one stays alive (its memory still mapped by the
+        peer, as a killed process's segment stays while mapped) in `retired` until close."""
+        old = self.p if which == "p" else self.d
+        config = self.p_config if which == "p" else self.d_config
+        offset = P_LAYER_OFFSET if which == "p" else D_LAYER_OFFSET
+        new = _make_side(f"{which}{len(self.retired) + 2}", identity, layer_offset=offset)
+        other = self.d if which == "p" else self.p
+        new.engine = self._engine(new, config, lambda address: (self.d if which == "p" else self.p).handshake(address))
+        new.notifier.targets = dict(old.notifier.targets)
+        address = P_ADDRESS if which == "p" else D_ADDRESS
+        other.notifier.targets[(address.host, address.notify_port)] = new
+        new.fill(seed)
+        self.retired.append(old)
+        if which == "p":
+            self.p = new
+        else:
+            self.d = new
+        return new
 
     def pump(self, sides: tuple[Instance, ...] | None = None) -> None:
         for side in sides or (self.p, self.d):
@@ -195,10 +249,8 @@ class Pair:
                 f"P sent {[s.message for s in self.p.notifier.sent]} | D sent {[s.message for s in self.d.notifier.sent]}")
 
     def close(self) -> None:
-        for side in (self.p, self.d):
-            side.engine.close()
-            side.transport.close()
-            side.segment.close()
+        for side in (self.p, self.d, *self.retired):
+            side.close()
 
     def __enter__(self) -> Pair:
         return self

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from tests.unit.connector.request_status import RequestStatus
 
 from pdserve.config import TransferMode
+from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.connector.scheduler import PDScheduler
 from tests.unit.connector.harness import make_config
 
@@ -25,6 +26,15 @@ class FakeRequest:
     num_prompt_tokens: int
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.RUNNING
+    prompt_token_ids: list[int] | None = None  # default: 0, 1, ... num_prompt_tokens - 1
+
+    def __post_init__(self):
+        if self.prompt_token_ids is None:
+            self.prompt_token_ids = list(range(self.num_prompt_tokens))
+
+    @property
+    def prompt_hash(self) -> str:
+        return prompt_digest(self.prompt_token_ids)
 
 
 class FakeBlocks:
@@ -47,6 +57,7 @@ class FakeKvCacheManager:
 class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int = 0
+    preempted_req_ids: set[str] = field(default_factory=set)
 
     def __post_init__(self):
         self.total_num_scheduled_tokens = sum(self.num_scheduled_tokens.values())

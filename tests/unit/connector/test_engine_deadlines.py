@@ -7,19 +7,23 @@ import time
 from pdserve.config import TransferMode
 from pdserve.connector.metadata import HoldSpec, RecvSpec, SendSpec
 from pdserve.control.messages import Release, RemoteBlocks, WriteDone
-from tests.unit.connector.harness import D_ADDRESS, D_IDENTITY, NUM_LAYERS, P_ADDRESS, P_IDENTITY, Pair
+from tests.unit.connector.harness import D_ADDRESS, D_IDENTITY, NUM_LAYERS, P_ADDRESS, P_IDENTITY, PROMPT_HASH, Pair
 
 WRITE, READ = TransferMode.WRITE, TransferMode.READ
 TICK = 0.1  # every timeout in this file; bounds below allow generous scheduling slack
 
 
 def write_recv(pair: Pair) -> None:
-    pair.d.engine.add_recv(RecvSpec("req-d", "t1", WRITE, P_ADDRESS, (3, 4, 5, 6), 1, None, None))
+    pair.d.engine.add_recv(RecvSpec("req-d", "t1", WRITE, P_ADDRESS, (3, 4, 5, 6), 1, None, None, PROMPT_HASH))
+
+
+def read_recv() -> RecvSpec:
+    return RecvSpec("req-d", "t1", READ, P_ADDRESS, (1, 2), 0, (3, 4), time.time() + 30, PROMPT_HASH)
 
 
 def write_send(pair: Pair) -> None:
     pair.p.engine.begin_step()
-    pair.p.engine.add_send(SendSpec("req-p", "t1", D_ADDRESS, (0, 1, 2, 3)))
+    pair.p.engine.add_send(SendSpec("req-p", "t1", D_ADDRESS, (0, 1, 2, 3), PROMPT_HASH))
     for layer in range(NUM_LAYERS):
         pair.p.engine.layer_ready(layer)
 
@@ -70,7 +74,7 @@ def test_d_write_that_gave_up_never_reports_success_even_if_p_says_ok():
     with Pair(WRITE, d_timeouts={"transfer_timeout": TICK, "release_grace": 5.0}) as pair:
         write_recv(pair)
         pair.pump_until(lambda: pair.d.notifier.messages(Release), sides=(pair.d,))
-        pair.d.engine.on_message(P_IDENTITY, WriteDone("t1", True))
+        pair.d.engine.on_message(P_IDENTITY, WriteDone("t1", True, "", PROMPT_HASH))
         pair.pump_until(lambda: "req-d" in pair.d.recving, timeout_s=1.0, sides=(pair.d,))
         assert pair.d.failed_recving == {"req-d"}
 
@@ -93,7 +97,7 @@ def test_d_release_reaches_p_and_p_confirms_so_d_need_not_wait_the_grace():
 def test_p_read_hold_never_released_is_freed_at_expiry():
     with Pair(READ) as pair:
         start = time.monotonic()
-        pair.p.engine.add_hold(HoldSpec("req-p", "t1", (0, 1), time.time() + TICK))
+        pair.p.engine.add_hold(HoldSpec("req-p", "t1", (0, 1), time.time() + TICK, PROMPT_HASH))
         pair.p.finished_req_ids.add("req-p")
         pair.pump(sides=(pair.p,))
         assert pair.p.sending == set()
@@ -103,29 +107,33 @@ def test_p_read_hold_never_released_is_freed_at_expiry():
         assert pair.p.notifier.sent == []
 
 
-def test_d_read_handshake_failure_fails_and_releases():
+def test_d_read_handshake_failure_fails_at_once_and_addresses_nobody():
+    """Every message is addressed to an incarnation: with no handshake there is none to release."""
     with Pair(READ) as pair:
         pair.p.handshake_error = "peer refused the handshake"
-        pair.d.engine.add_recv(RecvSpec("req-d", "t1", READ, P_ADDRESS, (1, 2), 0, (3, 4), time.time() + 30))
-        pair.pump_until(lambda: "req-d" in pair.d.recving, sides=(pair.d,))
+        pair.d.engine.add_recv(read_recv())
+        elapsed = pair.pump_until(lambda: "req-d" in pair.d.recving, sides=(pair.d,))
+        assert elapsed < 1.0
         assert pair.d.failed_recving == {"req-d"}
-        assert [(s.address, s.message) for s in pair.d.notifier.sent] == [(P_ADDRESS, Release("t1"))]
+        assert pair.d.notifier.sent == []
 
 
 def test_d_read_whose_handshake_never_answers_fails_at_transfer_timeout():
     with Pair(READ, d_timeouts={"transfer_timeout": TICK}) as pair:
         pair.p.handshake_delay_s = 3 * TICK  # P answers the handshake too late
         start = time.monotonic()
-        pair.d.engine.add_recv(RecvSpec("req-d", "t1", READ, P_ADDRESS, (1, 2), 0, (3, 4), time.time() + 30))
+        pair.d.engine.add_recv(read_recv())
         pair.pump_until(lambda: "req-d" in pair.d.recving, sides=(pair.d,))
         assert TICK * 0.9 <= time.monotonic() - start < 3 * TICK
         assert pair.d.failed_recving == {"req-d"}
-        assert pair.d.notifier.messages(Release) == [Release("t1")]
+        # the Release waits for the late handshake: only then is there an incarnation to address
+        pair.pump_until(lambda: pair.d.notifier.sent, sides=(pair.d,))
+        assert [(s.message, s.recipient) for s in pair.d.notifier.sent] == [(Release("t1"), P_IDENTITY)]
 
 
 def test_early_message_for_a_transfer_that_never_comes_is_dropped_after_defer_timeout():
     with Pair(WRITE, p_timeouts={"defer_timeout": TICK}) as pair:
-        pair.p.engine.on_message(D_IDENTITY, RemoteBlocks("t1", [3, 4, 5, 6], 1))
+        pair.p.engine.on_message(D_IDENTITY, RemoteBlocks("t1", [3, 4, 5, 6], 1, PROMPT_HASH, time.time() + 5))
         pair.pump(sides=(pair.p,))
         time.sleep(TICK * 1.5)
         pair.pump(sides=(pair.p,))

@@ -2,25 +2,39 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import RecvSpec, SendSpec
+from pdserve.connector.layout import KvLayout, LayerPlacement
+from pdserve.connector.metadata import CancelSpec, RecvSpec, SendSpec
 from pdserve.control.messages import Release, RemoteBlocks, WriteDone
-from tests.unit.connector.harness import D_ADDRESS, NUM_BLOCKS, NUM_LAYERS, P_ADDRESS, Pair
+from tests.unit.connector.harness import (
+    D_ADDRESS,
+    D_IDENTITY,
+    NUM_BLOCKS,
+    NUM_LAYERS,
+    P_ADDRESS,
+    P_IDENTITY,
+    PROMPT_HASH,
+    Pair,
+)
 
 WRITE = TransferMode.WRITE
 P_BLOCKS = (0, 1, 2, 3)
 D_BLOCKS = (3, 4, 5, 6)
 
 
-def recv_spec(request_id="req-d", transfer_id="t1", blocks=D_BLOCKS, first_block=1, **kw) -> RecvSpec:
-    return RecvSpec(request_id, transfer_id, WRITE, P_ADDRESS, blocks, first_block, None, None, **kw)
+def recv_spec(request_id="req-d", transfer_id="t1", blocks=D_BLOCKS, first_block=1, prompt_hash=PROMPT_HASH,
+              **kw) -> RecvSpec:
+    return RecvSpec(request_id, transfer_id, WRITE, P_ADDRESS, blocks, first_block, None, None, prompt_hash, **kw)
 
 
-def send(pair: Pair, request_id="req-p", transfer_id="t1", blocks=P_BLOCKS, layers=range(NUM_LAYERS)) -> None:
+def send(pair: Pair, request_id="req-p", transfer_id="t1", blocks=P_BLOCKS, layers=range(NUM_LAYERS),
+         prompt_hash=PROMPT_HASH) -> None:
     pair.p.engine.begin_step()
-    pair.p.engine.add_send(SendSpec(request_id, transfer_id, D_ADDRESS, blocks))
+    pair.p.engine.add_send(SendSpec(request_id, transfer_id, D_ADDRESS, blocks, prompt_hash))
     for layer in layers:
         pair.p.engine.layer_ready(layer)
 
@@ -35,16 +49,27 @@ def assert_moved(pair: Pair, p_before, d_before, first_block: int, p_blocks=P_BL
     assert pair.p.snapshot() == p_before
 
 
+def ok_done(transfer_id="t1") -> WriteDone:
+    return WriteDone(transfer_id, True, "", PROMPT_HASH)
+
+
 @pytest.mark.parametrize("first_block", [0, 1, 3, 4])
 def test_write_moves_exactly_the_blocks_from_first_block_on(first_block):
     with Pair(WRITE) as pair:
         p_before, d_before = pair.p.snapshot(), pair.d.snapshot()
+        added = time.time()
         pair.d.engine.add_recv(recv_spec(first_block=first_block))
-        assert pair.d.notifier.messages(RemoteBlocks) == [RemoteBlocks("t1", list(D_BLOCKS), first_block)]
+        pair.pump_until(lambda: pair.d.notifier.messages(RemoteBlocks), sides=(pair.d,))  # after the handshake
+        [announced] = pair.d.notifier.sent
+        blocks = announced.message
+        assert (blocks.transfer_id, blocks.block_ids, blocks.first_block, blocks.prompt_hash) == (
+            "t1", list(D_BLOCKS), first_block, PROMPT_HASH)
+        assert added + 4.5 <= blocks.write_by <= time.time() + 5.0, "P's write fence is D's transfer deadline"
+        assert (announced.address, announced.recipient) == (P_ADDRESS, P_IDENTITY)
         send(pair)
         pair.pump_until(lambda: "req-d" in pair.d.recving)
         assert not pair.d.failed_recving
-        assert pair.p.notifier.messages(WriteDone) == [WriteDone("t1", True)]
+        assert [(s.message, s.recipient) for s in pair.p.notifier.sent] == [(ok_done(), D_IDENTITY)]
         assert_moved(pair, p_before, d_before, first_block)
         assert pair.d.engine.stats.num_completed == 1 and pair.p.engine.stats.num_completed == 1
         assert not pair.p.engine.has_active() and not pair.d.engine.has_active()
@@ -125,14 +150,16 @@ def test_late_messages_after_success_are_ignored():
         d_after = pair.d.snapshot()
         p_sent, d_sent = len(pair.p.notifier.sent), len(pair.d.notifier.sent)
         pair.p.sending.clear(), pair.d.recving.clear()
-        pair.p.engine.on_message("127.0.0.1:6302/d", RemoteBlocks("t1", [0, 1, 2, 3], 0))
-        pair.p.engine.on_message("127.0.0.1:6302/d", Release("t1"))
-        pair.d.engine.on_message("127.0.0.1:6301/p", WriteDone("t1", False, "late"))
-        pair.d.engine.on_message("127.0.0.1:6301/p", WriteDone("t1", True))
+        pair.p.engine.on_message(D_IDENTITY, RemoteBlocks("t1", [0, 1, 2, 3], 0, PROMPT_HASH, time.time() + 5))
+        pair.p.engine.on_message(D_IDENTITY, Release("t1"))
+        pair.d.engine.on_message(P_IDENTITY, WriteDone("t1", False, "late"))
+        pair.d.engine.on_message(P_IDENTITY, ok_done())
         pair.p.finished_req_ids.add("req-p")
         pair.pump_for(0.05)
         assert (pair.p.sending, pair.d.recving, pair.d.failed_recving) == (set(), set(), set())
-        assert (len(pair.p.notifier.sent), len(pair.d.notifier.sent)) == (p_sent, d_sent)
+        assert len(pair.d.notifier.sent) == d_sent
+        assert all(not s.message.ok for s in pair.p.notifier.sent[p_sent:]), \
+            "P may answer the late Release that it will not write again, nothing else"
         assert pair.d.snapshot() == d_after, "a late RemoteBlocks started a new write"
         assert not pair.p.engine.has_active() and not pair.d.engine.has_active()
         assert (pair.d.engine.stats.num_completed, pair.d.engine.stats.num_failed) == (1, 0)
@@ -141,11 +168,11 @@ def test_late_messages_after_success_are_ignored():
 def test_a_failed_receive_is_not_revived_by_a_late_success():
     with Pair(WRITE) as pair:
         pair.d.engine.add_recv(recv_spec())
-        pair.d.engine.on_message("127.0.0.1:6301/p", WriteDone("t1", False, "boom"))
+        pair.d.engine.on_message(P_IDENTITY, WriteDone("t1", False, "boom"))
         pair.pump_until(lambda: "req-d" in pair.d.recving, sides=(pair.d,))
         assert pair.d.failed_recving == {"req-d"}
         pair.d.recving.clear(), pair.d.failed_recving.clear()
-        pair.d.engine.on_message("127.0.0.1:6301/p", WriteDone("t1", True))
+        pair.d.engine.on_message(P_IDENTITY, ok_done())
         pair.pump_for(0.03, sides=(pair.d,))
         assert (pair.d.recving, pair.d.failed_recving) == (set(), set())
         assert (pair.d.engine.stats.num_completed, pair.d.engine.stats.num_failed) == (0, 1)
@@ -158,6 +185,8 @@ def test_duplicate_transfer_id_fails_the_second_and_leaves_the_first_alone():
         pair.d.engine.add_recv(recv_spec("req-b", blocks=(7, 0, 1, 2)))
         pair.pump(sides=(pair.d,))
         assert pair.d.recving == {"req-b"} and pair.d.failed_recving == {"req-b"}
+        pair.pump_until(lambda: pair.d.notifier.messages(RemoteBlocks), sides=(pair.d,))
+        pair.pump_for(0.03, sides=(pair.d,))
         assert len(pair.d.notifier.messages(RemoteBlocks)) == 1, "the duplicate announced blocks"
         send(pair)
         pair.pump_until(lambda: "req-a" in pair.d.recving)
@@ -170,14 +199,14 @@ def test_duplicate_send_fails_the_second_and_leaves_the_first_alone():
         p_before, d_before = pair.p.snapshot(), pair.d.snapshot()
         pair.d.engine.add_recv(recv_spec())
         pair.p.engine.begin_step()
-        pair.p.engine.add_send(SendSpec("req-p", "t1", D_ADDRESS, P_BLOCKS))
-        pair.p.engine.add_send(SendSpec("req-q", "t1", D_ADDRESS, (4, 5, 6, 7)))
+        pair.p.engine.add_send(SendSpec("req-p", "t1", D_ADDRESS, P_BLOCKS, PROMPT_HASH))
+        pair.p.engine.add_send(SendSpec("req-q", "t1", D_ADDRESS, (4, 5, 6, 7), PROMPT_HASH))
         pair.p.engine.all_layers_ready()
         pair.p.finished_req_ids |= {"req-p", "req-q"}
         pair.pump_until(lambda: "req-d" in pair.d.recving and pair.p.sending == {"req-p", "req-q"})
         assert not pair.d.failed_recving
         assert_moved(pair, p_before, d_before, 1)
-        assert pair.p.notifier.messages(WriteDone) == [WriteDone("t1", True)]
+        assert pair.p.notifier.messages(WriteDone) == [ok_done()]
 
 
 def test_recv_spec_with_error_fails_at_once_without_telling_anyone():
@@ -190,31 +219,31 @@ def test_recv_spec_with_error_fails_at_once_without_telling_anyone():
 
 def test_cancel_on_p_tells_d_write_failed():
     with Pair(WRITE) as pair:
+        d_before = pair.d.snapshot()
         pair.d.engine.add_recv(recv_spec())
-        from pdserve.connector.metadata import CancelSpec
-
         pair.p.engine.cancel(CancelSpec("t1", D_ADDRESS, "prefill ended before its KV was complete"))
-        assert pair.p.notifier.messages(WriteDone) == [WriteDone("t1", False, "prefill ended before its KV was complete")]
-        pair.pump_until(lambda: "req-d" in pair.d.recving)
+        pair.pump_until(lambda: "req-d" in pair.d.recving)  # WriteDone leaves once P handshook D
+        assert [(s.message, s.recipient) for s in pair.p.notifier.sent] == [
+            (WriteDone("t1", False, "prefill ended before its KV was complete"), D_IDENTITY)]
         assert pair.d.failed_recving == {"req-d"}
         pair.pump_for(0.03)  # D's RemoteBlocks reaches P after the cancel: ignored
         assert not pair.p.engine.has_active()
+        assert pair.d.snapshot() == d_before
 
 
 def test_cancel_on_d_sends_release():
     with Pair(WRITE) as pair:
-        from pdserve.connector.metadata import CancelSpec
-
         pair.d.engine.cancel(CancelSpec("t1", P_ADDRESS, "decode computes this prompt itself"))
-        assert [(s.address, s.message) for s in pair.d.notifier.sent] == [(P_ADDRESS, Release("t1"))]
+        pair.pump_until(lambda: pair.d.notifier.sent, sides=(pair.d,))  # once D knows P's incarnation
+        assert [(s.address, s.message, s.recipient) for s in pair.d.notifier.sent] == [
+            (P_ADDRESS, Release("t1"), P_IDENTITY)]
 
 
 def test_cancel_drops_a_held_early_message():
     with Pair(WRITE) as pair:
-        from pdserve.connector.metadata import CancelSpec
-
         d_before = pair.d.snapshot()
         pair.d.engine.add_recv(recv_spec())
+        pair.pump_until(lambda: pair.d.notifier.delivered, sides=(pair.d,))
         pair.pump(sides=(pair.p,))  # RemoteBlocks held early at P
         pair.p.engine.cancel(CancelSpec("t1", D_ADDRESS, "gone"))
         pair.pump_until(lambda: "req-d" in pair.d.recving)
@@ -237,8 +266,6 @@ def test_block_out_of_the_layout_fails_the_write_and_tells_d():
 
 
 def test_copy_failure_in_the_transport_fails_the_write_and_tells_d():
-    from pdserve.connector.layout import KvLayout, LayerPlacement
-
     with Pair(WRITE) as pair:
         d_before = pair.d.snapshot()
         # D's handshake claims far more blocks than its region holds: the layout check passes,

@@ -39,7 +39,8 @@ def test_write_emits_one_send_in_the_step_that_completes_the_prompt(prompt, chun
     s.scheduler.update_state_after_alloc(request, FakeBlocks([]), 0)
     sends = [run_step(s, request, n).sends for n in chunks]
     assert all(not step for step in sends[:-1]), "a send before the prompt's last chunk was scheduled"
-    assert sends[-1] == [SendSpec(ROUTER_ID, "tx-1", D_ADDRESS, tuple([7, 3, 9, 12, 15][:num_blocks]))]
+    assert sends[-1] == [SendSpec(ROUTER_ID, "tx-1", D_ADDRESS, tuple([7, 3, 9, 12, 15][:num_blocks]),
+                                  request.prompt_hash)]
     assert run_step(s, request, 1).sends == [] and run_step(s, request, 1).sends == []
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert s.scheduler.request_finished(request, [7, 3, 9, 12]) == (True, None)
@@ -103,11 +104,15 @@ def test_write_with_malformed_params_prefills_without_transfer_and_never_raises(
     assert s.scheduler.request_finished(request, [1]) == (False, None)
 
 
-def test_read_holds_length_capped_requests_and_returns_params_d_can_parse():
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED])
+def test_read_holds_fully_prefilled_requests_and_returns_params_d_can_parse(status):
+    """Finding 12: a prefill leg whose first token is EOS (FINISHED_STOPPED) computed its whole
+    prompt just like one capped at max_tokens=1: its KV is held for D as well."""
     s = make_scheduler("kv_producer", READ, defer_timeout=30.0)
-    request = FakeRequest(ROUTER_ID, producer_params(), 40, status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    request = FakeRequest(ROUTER_ID, producer_params(), 40)
     s.scheduler.update_state_after_alloc(request, FakeBlocks([4, 5, 6]), 0)
     assert run_step(s, request, 40).sends == [], "READ never pushes"
+    request.status = status
     before = time.time()
     delay_free, params = s.scheduler.request_finished(request, [4, 5, 6])
     assert delay_free is True
@@ -116,21 +121,27 @@ def test_read_holds_length_capped_requests_and_returns_params_d_can_parse():
     assert (params["remote_host"], params["remote_handshake_port"], params["remote_notify_port"]) == (
         P_ADDRESS.host, P_ADDRESS.handshake_port, P_ADDRESS.notify_port)
     assert before + 29 <= params["hold_expires_at"] <= time.time() + 31
+    assert params["prompt_hash"] == request.prompt_hash
     [hold] = run_step(s, request, 0).holds
-    assert hold == HoldSpec(ROUTER_ID, "tx-1", (4, 5, 6), params["hold_expires_at"])
+    assert hold == HoldSpec(ROUTER_ID, "tx-1", (4, 5, 6), params["hold_expires_at"], request.prompt_hash)
     # what the router forwards to D parses into the same transfer
     parsed = parse_transfer_params({**params, "remote_dp_size": 1}, "cmpl-d-leg-0", Role.CONSUMER)
     assert (parsed.transfer_id, parsed.peer, parsed.remote_block_ids) == ("tx-1", P_ADDRESS, (4, 5, 6))
-    assert parsed.hold_expires_at == params["hold_expires_at"]
+    assert (parsed.hold_expires_at, parsed.prompt_hash) == (params["hold_expires_at"], request.prompt_hash)
     assert s.scheduler.has_pending_push_work()
     s.scheduler.update_connector_output(ConnectorOutput(finished_sending={ROUTER_ID}))
     assert not s.scheduler.has_pending_push_work()
 
 
-@pytest.mark.parametrize("status", [RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED])
-def test_read_does_not_hold_requests_that_did_not_stop_at_max_tokens(status):
+@pytest.mark.parametrize("status, computed", [
+    (RequestStatus.FINISHED_STOPPED, 0),  # stopped before its prompt was computed
+    (RequestStatus.FINISHED_STOPPED, 39),
+    (RequestStatus.FINISHED_LENGTH_CAPPED, 39),
+    (RequestStatus.FINISHED_ABORTED, 40),
+])
+def test_read_does_not_hold_requests_without_a_complete_prefill(status, computed):
     s = make_scheduler("kv_producer", READ)
-    request = FakeRequest(ROUTER_ID, producer_params(), 40, status=status)
+    request = FakeRequest(ROUTER_ID, producer_params(), 40, num_computed_tokens=computed, status=status)
     assert s.scheduler.request_finished(request, [4, 5, 6]) == (False, None)
     assert run_step(s, request, 0).holds == []
     assert not s.scheduler.has_pending_push_work()
@@ -144,3 +155,54 @@ def test_read_without_blocks_or_params_holds_nothing():
     bad = FakeRequest(ROUTER_ID, producer_params(transfer_id=""), 40, status=capped)
     assert s.scheduler.request_finished(bad, [1]) == (False, None)
     assert run_step(s, bad, 0).holds == []
+
+
+def planned_send(s, prompt: int = 40):
+    """A WRITE request whose send was planned: its whole prompt was scheduled in one step."""
+    request = FakeRequest(ROUTER_ID, producer_params(), prompt)
+    s.kv.blocks[ROUTER_ID] = [7, 3, 9]
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([]), 0)
+    [send] = run_step(s, request, prompt).sends
+    return request, send
+
+
+def test_preempted_request_whose_send_was_planned_cancels_it_stays_held_and_is_never_sent_again():
+    """Finding 3 (scheduler): vLLM frees a preempted request's blocks at once and may reuse them,
+    so the planned send must stop; the request is held at its end so the cancelled send's report
+    matches, and the re-prefill after the preemption plans no second send of the same transfer."""
+    s = make_scheduler("kv_producer", WRITE)
+    request, send = planned_send(s)
+    meta = s.scheduler.build_connector_meta(SchedulerOutput({}, preempted_req_ids={ROUTER_ID}))
+    [cancel] = meta.cancels
+    assert (cancel.transfer_id, cancel.peer) == (send.transfer_id, D_ADDRESS) and "preempted" in cancel.reason
+    assert meta.sends == []
+    # vLLM reschedules the preempted request from scratch
+    request.num_computed_tokens = 0
+    s.kv.blocks[ROUTER_ID] = [11, 12, 13]
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([]), 0)
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    steps = [run_step(s, request, 40), run_step(s, request, 1)]
+    assert [m.sends for m in steps] == [[], []], "a second send of a cancelled transfer"
+    assert [m.cancels for m in steps] == [[], []], "cancelled twice"
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.scheduler.request_finished(request, [11, 12, 13]) == (True, None), \
+        "the worker reports the cancelled send as finished_sending: vLLM must still hold the request"
+    assert s.scheduler.has_pending_push_work()
+    s.scheduler.update_connector_output(ConnectorOutput(finished_sending={ROUTER_ID}))
+    assert not s.scheduler.has_pending_push_work()
+
+
+def test_preemption_before_the_send_was_planned_needs_no_cancel():
+    s = make_scheduler("kv_producer", WRITE)
+    request = FakeRequest(ROUTER_ID, producer_params(), 40)
+    s.kv.blocks[ROUTER_ID] = [7, 3, 9]
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([]), 0)
+    run_step(s, request, 16)
+    meta = s.scheduler.build_connector_meta(SchedulerOutput({}, preempted_req_ids={ROUTER_ID}))
+    assert meta.cancels == [] and meta.sends == []
+    request.num_computed_tokens = 0
+    s.kv.blocks[ROUTER_ID] = [11, 12, 13]
+    sends = [run_step(s, request, 16).sends, run_step(s, request, 24).sends]
+    assert sends == [[], [SendSpec(ROUTER_ID, "tx-1", D_ADDRESS, (11, 12, 13), request.prompt_hash)]], \
+        "the send must be planned from the blocks of the re-prefill"
+    assert s.scheduler.build_connector_meta(SchedulerOutput({}, preempted_req_ids={"other"})).cancels == []

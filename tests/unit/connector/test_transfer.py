@@ -55,9 +55,14 @@ def test_terminal_states_never_move_and_the_error_names_both_states(first, then,
     assert isinstance(info.value, PDServeError)
 
 
-def test_block_pairs_start_at_first_block_and_stop_at_the_shorter_list():
+def test_block_pairs_start_at_first_block():
     assert make().block_pairs() == [(1, 10), (2, 11), (3, 12)]
     assert make(first_block=1).block_pairs() == [(2, 11), (3, 12)]
     assert make(first_block=3).block_pairs() == []
-    assert make(remote=(10, 11)).block_pairs() == [(1, 10), (2, 11)]
-    assert make(remote=None).block_pairs() == []
+
+
+@pytest.mark.parametrize("remote", [(10, 11), (10, 11, 12, 13), None])
+def test_block_pairs_refuse_lists_of_different_lengths(remote):
+    """Both legs must name the same number of blocks: a shorter or longer list is another prompt."""
+    with pytest.raises(PDServeError, match="block counts differ"):
+        make(remote=remote).block_pairs()
