@@ -14,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -152,12 +153,10 @@ class Server:
         self._warnings.warn(reason, f"a message from {peer}: {detail}")
 
 
+@dataclass(slots=True)
 class _CachedSocket:
-    __slots__ = ("socket", "last_used")
-
-    def __init__(self, socket: zmq.Socket, last_used: float):
-        self.socket = socket
-        self.last_used = last_used
+    socket: zmq.Socket
+    last_used: float  # time.monotonic() of the last send
 
 
 class Client:
