@@ -83,7 +83,7 @@ class TransferEngine:
         self._peers = PeerTable(transport, handshake, self._inbox.put, self._allow, config.peer_idle_timeout)
         self._transfers: dict[str, Transfer] = {}
         self._early: OrderedDict[str, list[tuple[float, str, object]]] = OrderedDict()
-        self._terminal: OrderedDict[str, None] = OrderedDict()
+        self._terminal: OrderedDict[str, PeerAddress | None] = OrderedDict()  # P WRITE: D's address
         self._step_sends: list[Transfer] = []
         self._finished_requests: set[str] = set()
         self._sent: set[str] = set()  # request ids whose send side is over, not yet reported
@@ -103,9 +103,11 @@ class TransferEngine:
     def add_send(self, spec: SendSpec) -> None:
         t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.WRITE, spec.peer,
                      spec.block_ids, time.monotonic() + self._config.defer_timeout, prompt_hash=spec.prompt_hash)
-        if self._admit(t):
+        if self._admit(t) and not t.state.is_terminal:
             self._step_sends.append(t)
-            self._peers.lookup(t.peer)  # handshake while the forward pass runs
+            peer = self._peers.lookup(t.peer)  # handshake while the forward pass runs
+            if peer.state is PeerState.FAILED and not self._allow.allows(t.peer.host):
+                self._bound_peer(t)  # refused: fail now (naming the host), not at defer_timeout
 
     def add_hold(self, spec: HoldSpec) -> None:
         deadline = time.monotonic() + max(0.0, spec.expires_at - time.time())
@@ -134,7 +136,7 @@ class TransferEngine:
             return
         if spec.transfer_id in self._terminal:
             return
-        self._remember_terminal(spec.transfer_id)
+        self._remember_terminal(spec.transfer_id, spec.peer if self._config.role is Role.PRODUCER else None)
         self._early.pop(spec.transfer_id, None)
         if self._config.role is Role.PRODUCER:
             self._send(spec.peer, WriteDone(spec.transfer_id, False, spec.reason))
@@ -232,6 +234,9 @@ class TransferEngine:
         elif tid in self._terminal:
             if isinstance(message, ReadDone):
                 self._ack(sender, message, f"transfer {tid} is over: its KV was released or expired")
+            elif isinstance(message, Release) and self._terminal[tid] is not None:
+                # our WriteDone may have been lost: D waits for word that we will not write again
+                self._notify(self._terminal[tid], WriteDone(tid, False, f"transfer {tid} is over"), sender)
         else:
             if tid not in self._early and len(self._early) >= MAX_EARLY_IDS:
                 self._early.popitem(last=False)
@@ -285,7 +290,9 @@ class TransferEngine:
         self._try_write(t)
 
     def _on_write_done(self, t: Transfer, message: WriteDone) -> None:
-        if message.ok and not t.stopping and message.prompt_hash == t.prompt_hash:
+        if message.ok and not t.announced:
+            t.fail("prefill confirmed a write of blocks decode never announced")
+        elif message.ok and not t.stopping and message.prompt_hash == t.prompt_hash:
             t.num_bytes = (len(t.local_block_ids) - t.first_block) * sum(l.block_bytes for l in self._layout.layers)
             t.succeed()
         elif message.ok and not t.stopping:
@@ -364,6 +371,13 @@ class TransferEngine:
         if peer is None:
             return
         t.peer_identity = peer.key
+        t.peer_incarnation = peer.incarnation
+        deferred, t.deferred = t.deferred, []
+        for sender, message in deferred:  # e.g. P's WriteDone(ok=False): then nothing is announced
+            if not t.state.is_terminal:
+                self._on_transfer_message(t, sender, message)
+        if t.state.is_terminal or t.stopping:
+            return
         if t.mode is TransferMode.WRITE:
             remaining = max(0.0, t.deadline - time.monotonic())
             t.write_by = time.time() + remaining
@@ -372,12 +386,7 @@ class TransferEngine:
                 peer.key)
             if not t.announced:
                 self._fail(t, f"cannot reach the prefill instance at {t.peer.host}:{t.peer.notify_port}")
-                return
-        for sender, message in t.deferred:
-            if not t.state.is_terminal:
-                self._on_transfer_message(t, sender, message)
-        t.deferred.clear()
-        if t.mode is TransferMode.READ and not t.state.is_terminal:
+        else:
             self._try_read(t)
 
     def _send(self, address: PeerAddress | None, message) -> None:
@@ -516,8 +525,8 @@ class TransferEngine:
         message = Release(t.transfer_id)
         if t.peer_identity is not None:
             self._notify(t.peer, message, t.peer_identity)
-        elif t.side is Side.RECV and t.mode is TransferMode.READ:
-            self._send(t.peer, message)  # P holds blocks for us; let whoever holds them go
+        elif t.side is Side.RECV:
+            self._send(t.peer, message)  # not bound yet: P holds (READ) or waits to write (WRITE) for us
 
     def _conclude_stop(self, t: Transfer) -> None:
         if t.state.is_terminal or t.pending_handles:
@@ -525,6 +534,8 @@ class TransferEngine:
         if t.side is Side.RECV and t.mode is TransferMode.WRITE and t.announced:
             if t.fence_deadline is not None and time.monotonic() < t.fence_deadline:
                 return  # P may still be copying into our blocks: wait for WriteDone or the fence
+            if self._may_still_copy(t):
+                return
         if t.side is Side.SEND and t.mode is TransferMode.WRITE:
             done = WriteDone(t.transfer_id, False, t.stopping)
             if t.peer_identity is not None:
@@ -534,13 +545,27 @@ class TransferEngine:
         t.fail(t.stopping or t.error)
         self._finish(t)
 
+    def _may_still_copy(self, t: Transfer) -> bool:
+        """Past the fence P starts no copy, but one it started before write_by may still run (a
+        slow or descheduled memmove). A P on this host that provably lives and has not said it
+        stopped is waited for, up to one more transfer_timeout; a P elsewhere cannot be observed
+        from here, so for it the fence alone decides."""
+        incarnation = t.peer_incarnation
+        if incarnation is None or not incarnation.same_host or incarnation.is_gone():
+            return False
+        if time.monotonic() < (t.fence_deadline or 0.0) + self._config.transfer_timeout:
+            return True
+        logger.error("pdserve: prefill %s never confirmed it stopped writing transfer %s; reusing its blocks",
+                     t.peer_identity, t.transfer_id)
+        return False
+
     def _fail(self, t: Transfer, reason: str) -> None:
         self._stop(t, reason, tell_peer=True)
 
     def _finish(self, t: Transfer, track: bool = True) -> None:
         if track:
             self._transfers.pop(t.transfer_id, None)
-            self._remember_terminal(t.transfer_id)
+            self._remember_terminal(t.transfer_id, t.peer if t.side is Side.SEND else None)
         self.stats.copy_seconds += sum(h.copy_seconds or 0.0 for h in t.handles)
         self.stats.copy_bytes += sum(h.num_bytes for h in t.handles if h.status is TransferStatus.DONE)
         if t.state is TransferState.DONE:
@@ -558,8 +583,8 @@ class TransferEngine:
             if t.state is TransferState.FAILED:
                 self._finished.failed_recving.add(t.request_id)
 
-    def _remember_terminal(self, tid: str) -> None:
-        self._terminal[tid] = None
+    def _remember_terminal(self, tid: str, peer: PeerAddress | None = None) -> None:
+        self._terminal[tid] = peer
         self._terminal.move_to_end(tid)
         while len(self._terminal) > MAX_TERMINAL_IDS:
             self._terminal.popitem(last=False)

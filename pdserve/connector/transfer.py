@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pdserve.config import TransferMode
+from pdserve.connector.incarnation import Incarnation
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
 from pdserve.transport.base import TransferStatus
@@ -72,6 +73,7 @@ class Transfer:
     state: TransferState = TransferState.WAITING
     error: str = ""
     peer_identity: str | None = None  # the peer incarnation this transfer is bound to
+    peer_incarnation: Incarnation | None = None  # D: that incarnation, to tell whether it still lives
     refreshed: bool = False  # the peer was handshaken again once for this transfer
     layers_ready: set[int] = field(default_factory=set)  # P WRITE: layers computed this step
     layers_submitted: set[int] = field(default_factory=set)
