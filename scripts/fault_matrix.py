@@ -24,15 +24,18 @@ from pdserve.launch import Cluster, UpOptions, plan  # noqa: E402
 from pdserve.model.build import resolve_model  # noqa: E402
 
 PORTS = {"write": 29100, "read": 29200, "collocated": 29300}
-PREEMPT_KV_BYTES = 24 << 20  # tiny model: a few hundred 128-token blocks per instance, filled by the burst below
+PREEMPT_KV_BYTES = 16 << 20  # tiny model: ~8k tokens per instance; the long burst below needs ~24k at once
 
 
-def prompts(count: int = 8, seed: int = 5) -> list[list[int]]:
+def prompts(lengths=(1, 127, 129, 300, 700, 1025, 1500, 1800), seed: int = 5) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)
-    lengths = [1, 127, 129, 300, 700, 1025, 1500, 1800][:count]
     return [[rng.randrange(10, 4000) for _ in range(n)] for n in lengths]
+
+
+LONG = (1500, 1600, 1700, 1800, 1400, 1300, 1650, 1550)  # 8 at once, 300 tokens each: ~15k tokens > the small cache
+PREEMPT_TOKENS = 300
 
 
 def options(mode: str, kv_cache_bytes: int | None = None) -> UpOptions:
@@ -41,24 +44,29 @@ def options(mode: str, kv_cache_bytes: int | None = None) -> UpOptions:
                      extra_vllm_args=("--max-num-batched-tokens", "512"), **extra)
 
 
-def reference(batch) -> list:
+def reference(*batches: tuple[list, int]) -> list[list]:
     with Cluster(plan(options("collocated"))) as cluster:
         cluster.wait_healthy(600)
-        return fetch_greedy(cluster.endpoint, batch, max_tokens=MAX_TOKENS, concurrency=4)
+        return [fetch_greedy(cluster.endpoint, batch, max_tokens=tokens, concurrency=4) for batch, tokens in batches]
+
+
+LOG_DIR: Path | None = None
 
 
 def run_mode(mode: str, batch, ref, selected: set[str] | None, kv_cache_bytes: int | None = None,
-             chosen: list[Cell] | None = None) -> list[dict]:
+             chosen: list[Cell] | None = None, concurrency: int = 4) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="pdserve-faults-") as tmp:
         plan_path = Path(tmp) / "plan.json"
         plan_path.write_text(json.dumps({"rules": []}))
         deployment = pd_deployment(options(mode, kv_cache_bytes), mode,
                                    connector_extra={**TIMEOUTS, "test_fault_plan": str(plan_path)})
-        with Cluster(deployment, restart="on-failure") as cluster:
+        log_dir = LOG_DIR / f"{mode}-{kv_cache_bytes or 'default'}" if LOG_DIR else None
+        with Cluster(deployment, restart="on-failure", log_dir=log_dir) as cluster:
             cluster.wait_healthy(600)
             model = fetch_model(cluster)
-            matrix = Matrix(cluster, mode, plan_path, batch, ref, model)
+            matrix = Matrix(cluster, mode, plan_path, batch, ref, model, concurrency)
             matrix._wait_back("decode")
+            matrix.warm_up(matrix.reference_tokens)
             out = []
             for cell in chosen or cells(mode):
                 if selected and cell.name not in selected:
@@ -83,14 +91,20 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", default=["write", "read"])
     parser.add_argument("--cells", nargs="*", default=None)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "fault-matrix"))
+    parser.add_argument("--log-dir", default=None, help="keep the instances' logs here")
+    parser.add_argument("--no-preemption", action="store_true")
     args = parser.parse_args()
-    batch = prompts()
-    ref = reference(batch)
+    global LOG_DIR
+    LOG_DIR = Path(args.log_dir) if args.log_dir else None
+    batch, long_batch = prompts(), prompts(LONG, seed=6)
+    ref, long_ref = reference((batch, MAX_TOKENS), (long_batch, PREEMPT_TOKENS))
     results = []
     for mode in args.modes:
         results += run_mode(mode, batch, ref, set(args.cells) if args.cells else None)
-        results += run_mode(mode, batch, ref, None, kv_cache_bytes=PREEMPT_KV_BYTES,
-                            chosen=[Cell("preemption (small KV cache on P and D)")])
+        if not args.no_preemption:
+            results += run_mode(mode, long_batch, long_ref, None, kv_cache_bytes=PREEMPT_KV_BYTES,
+                                chosen=[Cell("preemption (small KV cache on P and D)", max_tokens=PREEMPT_TOKENS)],
+                                concurrency=8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -147,10 +147,10 @@ class PDWorker:
             if not isinstance(reply, HandshakeReply):
                 raise ProtocolError(f"peer {where} answered the handshake with {type(reply).__name__}")
             check_compatible(self._fingerprint, reply.fingerprint, where)
-            layout = KvLayout.from_wire(reply.layers)
+            regions = tuple(RegionDescriptor.from_wire(r) for r in reply.regions)
+            layout = KvLayout.from_wire(reply.layers, region_sizes={d.region_id: d.size for d in regions})
             if len(layout.layers) != len(self._layout.layers):
                 raise IncompatiblePeerError(f"peer {where} has {len(layout.layers)} KV layers, we have {len(self._layout.layers)}")
-            regions = tuple(RegionDescriptor.from_wire(r) for r in reply.regions)
         except PDServeError as exc:
             return HandshakeResult(address, error=str(exc))
         incarnation = Incarnation(reply.engine_id, reply.pid, reply.start_time, reply.boot_id)

@@ -55,7 +55,8 @@ def field_types(cls) -> dict[str, object]:
 
 MAX_BLOCKS = 1 << 20  # block ids per message: far above any real prompt, far below a memory attack
 MAX_TEXT = 4096
-_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+MAX_IDENTITY = 256  # an incarnation identity: the codec's limit for senders and recipients
+_DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
 def _check(condition: bool, cls, problem: str) -> None:
@@ -73,7 +74,7 @@ def _check_block_ids(msg, block_ids: list[int]) -> None:
 
 
 def _check_digest(msg, digest: str, allow_empty: bool = False) -> None:
-    _check(bool(_DIGEST.match(digest)) or (allow_empty and digest == ""), type(msg),
+    _check(bool(_DIGEST.fullmatch(digest)) or (allow_empty and digest == ""), type(msg),
            f"prompt_hash must be 32 lowercase hex digits, got {digest[:40]!r}")
 
 
@@ -91,7 +92,7 @@ class HandshakeRequest:
     fingerprint: dict
 
     def validate(self) -> None:
-        _check_text(self, "engine_id", self.engine_id)
+        _check(0 < len(self.engine_id) <= MAX_IDENTITY, type(self), "engine_id must be 1..256 characters")
 
 
 @message("handshake_reply")
@@ -115,7 +116,7 @@ class HandshakeReply:
     boot_id: str
 
     def validate(self) -> None:
-        _check_text(self, "engine_id", self.engine_id)
+        _check(0 < len(self.engine_id) <= MAX_IDENTITY, type(self), "engine_id must be 1..256 characters")
         _check_text(self, "boot_id", self.boot_id)
         _check(0 < self.pid < 1 << 32 and 0 <= self.start_time < 1 << 62, type(self), "pid/start_time out of range")
         _check(len(self.regions) <= 4096 and len(self.layers) <= 4096, type(self), "too many regions or layers")

@@ -43,6 +43,7 @@ class Cell:
     restart_first: str = ""  # "prefill" | "decode": kill and let it restart *before* the burst
     disconnect: bool = False  # clients hang up after the first tokens
     errors_allowed: bool = False  # the fault kills the instance serving the request
+    max_tokens: int = MAX_TOKENS
 
 
 def cells(mode: str) -> list[Cell]:
@@ -100,8 +101,10 @@ class Matrix:
     """Runs cells against one running PD cluster (Cluster with restart="on-failure")."""
 
     def __init__(self, cluster, mode: str, plan_path: Path, prompts: list[list[int]], reference: list[Generation],
-                 model: str):
+                 model: str, concurrency: int = 4):
         self.cluster, self.mode, self.plan_path = cluster, mode, plan_path
+        self.concurrency = concurrency
+        self.reference_tokens = len(reference[0]) if reference else MAX_TOKENS
         self.prompts, self.reference, self.model = prompts, reference, model
         self.prefill_url = cluster.instance_urls["prefill"]
         self.decode_url = cluster.instance_urls["decode"]
@@ -125,7 +128,7 @@ class Matrix:
             self._kill(cell.restart_first)
             self._wait_back(cell.restart_first)
         self.set_rules(cell.rules)
-        limit = TIMEOUTS["transfer_timeout"] + TIMEOUTS["release_grace"] + 30 + DEADLINE_MARGIN_S
+        limit = TIMEOUTS["transfer_timeout"] + TIMEOUTS["release_grace"] + 30 + DEADLINE_MARGIN_S + cell.max_tokens * 0.2
         try:
             outcomes = self._burst(cell, limit)
         finally:
@@ -159,7 +162,7 @@ class Matrix:
     def _burst(self, cell: Cell, limit: float) -> list[tuple[int, float, object]]:
         def one(prompt):
             started = time.monotonic()
-            body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2,
+            body = {"model": self.model, "prompt": prompt, "max_tokens": cell.max_tokens, "temperature": 0, "logprobs": 2,
                     "return_token_ids": True, "ignore_eos": True}
             try:
                 if cell.disconnect:
@@ -179,7 +182,7 @@ class Matrix:
         if cell.kill:
             killer = threading.Timer(1.0, self._kill, args=(cell.kill,))
             killer.start()
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(self.concurrency) as pool:
             outcomes = list(pool.map(one, self.prompts))
         if killer is not None:
             killer.join()
@@ -224,8 +227,12 @@ class Matrix:
             time.sleep(0.5)
         return None
 
+    def warm_up(self, max_tokens: int = MAX_TOKENS) -> None:
+        """One unchecked burst: the first long prompts of a fresh instance are slow (one-time setup)."""
+        self._burst(Cell("warm-up", max_tokens=max_tokens), 300)
+
     def _next_ok(self) -> bool:
-        outcomes = self._burst(Cell("check"), 120)[:3]
+        outcomes = self._burst(Cell("check", max_tokens=self.reference_tokens), 300)[:3]
         return all(status == 200 and compare_greedy([self.reference[i]], [payload]).ok
                    for i, (status, _, payload) in enumerate(outcomes))
 
