@@ -348,8 +348,8 @@ class TransferEngine:
             return None
         if peer.incarnation.is_gone():
             self._peer_gone(peer.address, peer.key)
-            if not t.state.is_terminal and t.peer_identity is None:
-                self._peers.lookup(t.peer)  # handshake whoever listens there now
+            if not t.state.is_terminal:
+                self._peers.lookup(t.peer)  # handshake whoever listens there now; _on_peer resumes t
             return None
         if t.peer_identity is None or t.peer_identity == peer.key:
             return peer

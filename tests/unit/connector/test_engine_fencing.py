@@ -218,3 +218,24 @@ def test_p_with_a_stale_view_of_a_restarted_d_handshakes_again_and_writes_the_ne
         assert old_d.snapshot() == old_before
         assert old_d.handshakes == 1 and new_d.handshakes == 1
         assert pair.p.engine.stats.num_fenced == 0
+
+
+def test_p_that_finds_the_old_d_dead_while_writing_resumes_with_the_new_d(live_process):
+    """P still maps the old D (a real process, now dead) when the new D announces t1 and P's
+    layers are ready: P drops the dead incarnation, handshakes whoever listens there now, and
+    writes the new D's blocks at once (not after a deadline)."""
+    with Pair(WRITE) as pair:
+        pair.d.liveness = live_process.start()
+        pair.d.engine.add_recv(write_recv("req-d0", "t0"))
+        send(pair.p, "req-p0", "t0")
+        pair.pump_until(lambda: "req-d0" in pair.d.recving)
+        live_process.kill(pair.d.liveness)
+        new_d = pair.restart("d", NEW_D, seed=99)
+        p_bytes, new_before = pair.p.snapshot(), new_d.snapshot()
+        new_d.engine.add_recv(write_recv())
+        pair.pump_until(lambda: new_d.notifier.delivered, sides=(new_d,))
+        send(pair.p)
+        elapsed = pair.pump_until(lambda: "req-d" in new_d.recving)
+        assert elapsed < 1.0
+        assert new_d.failed_recving == set()
+        assert new_d.snapshot() == moved(p_bytes, P_BLOCKS, new_before, D_BLOCKS)
