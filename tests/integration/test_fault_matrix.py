@@ -20,7 +20,7 @@ from tests.integration.pd_helpers import LOG_DIR, model_name, prompts
 
 pytestmark = pytest.mark.integration
 
-PORTS = {"write": 28700, "read": 28800, "collocated": 28900}
+PORTS = {"write": 26100, "read": 26200, "collocated": 26300}
 CELLS = {
     "write": ["decode restarted", "drop remote_blocks", "copy queue slower than release_grace"],
     "read": ["prefill restarted", "drop read_ack", "copy fails mid-layer"],
