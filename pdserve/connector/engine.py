@@ -64,7 +64,8 @@ class TransferStats:
     num_completed: int = 0
     num_failed: int = 0
     num_bytes: int = 0
-    seconds: list[float] = field(default_factory=list)  # per transfer: announced/held -> done
+    seconds: list[float] = field(default_factory=list)  # per completed transfer: announced/held -> done
+    transfer_bytes: list[int] = field(default_factory=list)  # per completed transfer, in `seconds`' order
     copy_seconds: float = 0.0  # time the transport spent copying (sum over batches)
     copy_bytes: int = 0  # bytes this side's transport copied
     num_fenced: int = 0  # transfers failed because their peer incarnation restarted or died
@@ -572,6 +573,7 @@ class TransferEngine:
             self.stats.num_completed += 1
             self.stats.num_bytes += t.num_bytes
             self.stats.seconds.append(t.seconds)
+            self.stats.transfer_bytes.append(t.num_bytes)
         else:
             self.stats.num_failed += 1
             logger.error("pdserve: transfer %s (request %s) failed: %s [%s]", t.transfer_id, t.request_id,

@@ -1,16 +1,30 @@
-"""Transfer counters, carried from the worker to the API server's /metrics by vLLM's stats path."""
+"""Transfer counters and histograms, carried from the worker to the API server's /metrics by vLLM's stats path.
+
+`PDWorker.take_stats` hands vLLM a plain dict (it crosses a process boundary); vLLM wraps it in
+`PDConnectorStats`, aggregates the dicts of several steps and workers, and feeds each one to
+`PDPromMetrics.observe` in the API server.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_EMPTY = {"num_completed": 0, "num_failed": 0, "num_bytes": 0, "seconds": [], "copy_seconds": 0.0, "copy_bytes": 0,
-          "num_rejected": 0, "num_fenced": 0, "num_refused": 0, "num_recomputed": 0}
-_SUMMED = tuple(k for k, v in _EMPTY.items() if not isinstance(v, list))
+from pdserve.connector.engine import TransferStats
+
+# What take_stats sends: the engine's TransferStats fields plus what the worker counts itself.
+_EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": []}
+_LISTS = tuple(k for k, v in _EMPTY.items() if isinstance(v, list))  # one entry per event: concatenated
+_SUMMED = tuple(k for k in _EMPTY if k not in _LISTS)
+
+# Shared memory on one host moves a small prompt's KV in about a millisecond; a network transport
+# under load can take tens of seconds, and the transfer timeout ends a transfer at 30 s by default.
+DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# 1 KiB (a few tokens of a tiny model) to 4 GiB (a long prompt of a large model), doubling.
+SIZE_BUCKETS_BYTES = tuple(float(1024 * 2**i) for i in range(23))
 
 
 @dataclass
@@ -24,8 +38,9 @@ class PDConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key in _SUMMED:
-            self.data[key] += other.data.get(key, 0)
-        self.data["seconds"] = self.data["seconds"] + list(other.data.get("seconds", []))
+            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
+        for key in _LISTS:
+            self.data[key] = list(self.data.get(key, [])) + list(other.data.get(key, []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -35,24 +50,33 @@ class PDConnectorStats(KVConnectorStats):
             "transfers_failed": self.data["num_failed"],
             "bytes": self.data["num_bytes"],
             "avg_transfer_ms": round(1000 * sum(seconds) / len(seconds), 3) if seconds else 0.0,
+            "handshakes": len(self.data["handshake_seconds"]),
         }
 
     def is_empty(self) -> bool:
-        return not (self.data["num_completed"] or self.data["num_failed"] or self.data["num_rejected"])
+        return not any(self.data.get(key) for key in _EMPTY)
 
 
 class PDPromMetrics(KVConnectorPromMetrics):
-    """On each instance's /metrics: `pdserve:kv_transfers_completed_total`, `..._failed_total`,
+    """On each instance's /metrics. Counters: `pdserve:kv_transfers_completed_total`, `..._failed_total`,
     `pdserve:kv_transfer_bytes_total` (KV delivered by completed transfers),
     `pdserve:kv_transfer_seconds_total` (announce/hold to completion, summed over transfers),
     `pdserve:kv_copy_bytes_total` / `pdserve:kv_copy_seconds_total` (what this side's transport
-    copied and how long the copies took: their ratio is the data-path bandwidth)."""
+    copied and how long the copies took: their ratio is the data-path bandwidth), and the
+    rejected/fenced/refused/recomputed counts. Histograms, one observation per completed transfer:
+    `pdserve:kv_transfer_duration_seconds` (announce/hold to completion) and
+    `pdserve:kv_transfer_size_bytes`; one per answered handshake this instance started:
+    `pdserve:kv_handshake_duration_seconds`."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
         def counter(name: str, doc: str):
             metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            metric = self._histogram_cls(name=name, documentation=doc, buckets=list(buckets), labelnames=labelnames)
             return create_metric_per_engine(metric, per_engine_labelvalues)
 
         self._completed = counter("pdserve:kv_transfers_completed", "KV transfers completed by pdserve.")
@@ -68,6 +92,14 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._refused = counter("pdserve:kv_transfers_refused", "KV transfers refused: peer not in allowed_peers.")
         self._recomputed = counter("pdserve:kv_recomputed",
                                    "Requests whose KV did not arrive and that decode prefilled itself.")
+        self._duration = histogram("pdserve:kv_transfer_duration_seconds",
+                                   "Seconds from announce (WRITE) or hold (READ) to completion, per completed KV transfer.",
+                                   DURATION_BUCKETS_S)
+        self._size = histogram("pdserve:kv_transfer_size_bytes", "Bytes of KV delivered per completed transfer.",
+                               SIZE_BUCKETS_BYTES)
+        self._handshake = histogram("pdserve:kv_handshake_duration_seconds",
+                                    "Seconds from handshake request to reply, per answered handshake.",
+                                    DURATION_BUCKETS_S)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         self._completed[engine_idx].inc(transfer_stats_data.get("num_completed", 0))
@@ -80,3 +112,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._fenced[engine_idx].inc(transfer_stats_data.get("num_fenced", 0))
         self._refused[engine_idx].inc(transfer_stats_data.get("num_refused", 0))
         self._recomputed[engine_idx].inc(transfer_stats_data.get("num_recomputed", 0))
+        for seconds in transfer_stats_data.get("seconds", []):
+            self._duration[engine_idx].observe(seconds)
+        for num_bytes in transfer_stats_data.get("transfer_bytes", []):
+            self._size[engine_idx].observe(num_bytes)
+        for seconds in transfer_stats_data.get("handshake_seconds", []):
+            self._handshake[engine_idx].observe(seconds)

@@ -13,6 +13,8 @@ import hashlib
 import logging
 import os
 import secrets
+import time
+from collections import deque
 
 from pdserve.config import ConnectorConfig
 from pdserve.config import Role
@@ -63,6 +65,7 @@ class PDWorker:
         self._step_sends = False
         self._idle = False
         self._reported_rejections = 0
+        self._handshake_seconds: deque[float] = deque()  # appended by handshake threads, drained by take_stats
 
     # ---- startup ---------------------------------------------------------------------------
 
@@ -138,10 +141,12 @@ class PDWorker:
     def _handshake(self, address: PeerAddress) -> HandshakeResult:
         where = f"{address.host}:{address.handshake_port}"
         try:
+            started = time.monotonic()
             reply = self._client.request(
                 address.host, address.handshake_port, HandshakeRequest(self.identity, self._fingerprint),
                 self._config.handshake_timeout,
             )
+            self._handshake_seconds.append(time.monotonic() - started)  # answered, accepted or not
             if isinstance(reply, HandshakeRefused):
                 raise IncompatiblePeerError(f"peer {where} refused the handshake: {reply.reason}")
             if not isinstance(reply, HandshakeReply):
@@ -215,11 +220,13 @@ class PDWorker:
         stats = self._engine.stats
         rejected = sum(server.num_rejected for server in self._servers)
         new_rejections, self._reported_rejections = rejected - self._reported_rejections, rejected
-        if not (stats.num_completed or stats.num_failed or new_rejections):
+        handshakes = [self._handshake_seconds.popleft() for _ in range(len(self._handshake_seconds))]
+        if not (stats.num_completed or stats.num_failed or new_rejections or handshakes):
             return None
         self._engine.stats = type(stats)()
         recomputed = stats.num_failed if self._config.role is Role.CONSUMER and self._config.load_failure_policy == "recompute" else 0
-        return {**dataclasses.asdict(stats), "num_rejected": new_rejections, "num_recomputed": recomputed}
+        return {**dataclasses.asdict(stats), "num_rejected": new_rejections, "num_recomputed": recomputed,
+                "handshake_seconds": handshakes}
 
     def shutdown(self) -> None:
         for server in self._servers:
