@@ -199,6 +199,52 @@ def test_client_disconnect_mid_stream_leaks_nothing(pd, reference):
     assert compare_greedy(reference[:2], output).ok
 
 
+def test_transfer_histograms_count_every_completed_transfer(pd):
+    """Each instance's /metrics has the histograms beside the counters: one duration and one size
+    observation per completed transfer, cumulative buckets, D's handshake with P; and every series
+    the Grafana dashboard queries is there."""
+    import re
+
+    from tests.unit.test_dashboard import load, queried_series
+
+    urls = (pd.prefill_url, pd.decode_url)
+    before = {url: metrics(url) for url in urls}
+    greedy(pd.endpoint, pd, PROMPTS[:6])
+
+    def delta(samples, url, name):
+        return metric(samples, name) - metric(before[url], name)
+
+    for url in urls:
+        deadline = time.monotonic() + 10  # the counters and histograms move in the same observe()
+        while True:
+            after = metrics(url)
+            done = delta(after, url, "pdserve:kv_transfers_completed_total")
+            counts = [delta(after, url, f"pdserve:kv_transfer_{h}_count") for h in ("duration_seconds", "size_bytes")]
+            if (done == 6 and counts == [done, done]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert (done, counts) == (6, [6, 6]), url
+        assert delta(after, url, "pdserve:kv_transfer_size_bytes_sum") == delta(after, url, "pdserve:kv_transfer_bytes_total")
+        assert delta(after, url, "pdserve:kv_transfer_duration_seconds_sum") == pytest.approx(
+            delta(after, url, "pdserve:kv_transfer_seconds_total"), abs=1e-6)
+        for histogram in ("kv_transfer_duration_seconds", "kv_transfer_size_bytes", "kv_handshake_duration_seconds"):
+            name = f"pdserve:{histogram}"
+            bounds = sorted((float(re.search(r'le="([^"]+)"', key).group(1)), value)
+                            for key, value in after.items() if key.startswith(f"{name}_bucket{{"))
+            assert len(bounds) > 10 and bounds[-1][0] == float("inf"), name
+            counts_by_bound = [count for _, count in bounds]
+            assert counts_by_bound == sorted(counts_by_bound), f"{name} buckets not cumulative: {bounds}"
+            assert counts_by_bound[-1] == metric(after, f"{name}_count"), name
+        missing = {s for s in queried_series(load()) if not any(k.partition("{")[0] == s for k in after)}
+        assert not missing, f"{url} lacks series the dashboard queries: {sorted(missing)}"
+    d_after = metrics(pd.decode_url)
+    handshakes = metric(d_after, "pdserve:kv_handshake_duration_seconds_count")
+    assert handshakes >= 1, "D's handshake with P was not timed"
+    assert 0 < metric(d_after, "pdserve:kv_handshake_duration_seconds_sum") <= handshakes * TIMEOUTS["handshake_timeout"]
+    print(pd.mode, "handshakes timed: P", metric(metrics(pd.prefill_url), "pdserve:kv_handshake_duration_seconds_count"),
+          "D", handshakes)
+
+
 def test_idle_after_all_traffic(pd):
     for url in (pd.prefill_url, pd.decode_url):
         wait_idle(url, timeout=TIMEOUTS["defer_timeout"] + 10)
