@@ -93,6 +93,8 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "fault-matrix"))
     parser.add_argument("--log-dir", default=None, help="keep the instances' logs here")
     parser.add_argument("--no-preemption", action="store_true")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the cells run now in an existing results.json")
     args = parser.parse_args()
     global LOG_DIR
     LOG_DIR = Path(args.log_dir) if args.log_dir else None
@@ -107,9 +109,19 @@ def main() -> int:
                                 concurrency=8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.update and (out / "results.json").exists():
+        fresh = {(r["mode"], r["cell"]): r for r in results}
+        old = json.loads((out / "results.json").read_text())
+        results = [fresh.pop((r["mode"], r["cell"]), r) for r in old] + list(fresh.values())
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = ["# Fault matrix (tiny model, real vLLM, through vllm-router)", "",
-             f"Deadlines: {TIMEOUTS}; load_failure_policy recompute; {len(batch)} requests per cell, 4 at a time.", "",
+             f"Deadlines: {TIMEOUTS}; load_failure_policy recompute; {len(batch)} requests per cell, 4 at a time "
+             "(kill cells: the prompts 30 times over, the instance SIGKILLed 1 s in; their errors are vllm-router's "
+             "500s naming the dead instance until the supervisor has restarted it; preemption cells: 8 long prompts, "
+             "300 tokens each, 8 at a time, 16 MiB of KV cache per instance). A cell passes when no 200 carries "
+             "tokens that differ from collocated serving, every request ends within its deadline + 5 s, errors occur "
+             "only where the fault kills the instance serving the request, both instances return to idle, and the "
+             "next requests are correct.", "",
              "| mode | cell | requests | correct 200 | errors | wrong-token 200 | max s | idle after s | next ok | recomputed | fenced | preemptions | pass |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:

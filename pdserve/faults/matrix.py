@@ -32,6 +32,7 @@ from pdserve.compare import Generation, compare_greedy, parse_choice
 MAX_TOKENS = 16
 DEADLINE_MARGIN_S = 5.0
 # Short deadlines, so a cell that waits for one ends in seconds.
+KILL_REPEAT = 30  # ~5 s of requests: the kill lands 1 s in, with transfers in flight
 TIMEOUTS = {"transfer_timeout": 8.0, "defer_timeout": 10.0, "handshake_timeout": 5.0, "release_grace": 1.0}
 
 
@@ -44,6 +45,7 @@ class Cell:
     disconnect: bool = False  # clients hang up after the first tokens
     errors_allowed: bool = False  # the fault kills the instance serving the request
     max_tokens: int = MAX_TOKENS
+    repeat: int = 1  # send the prompts this many times (a kill must land while requests are in flight)
 
 
 def cells(mode: str) -> list[Cell]:
@@ -70,8 +72,8 @@ def cells(mode: str) -> list[Cell]:
         Cell("copy fails mid-layer", ({"action": "fail_copy", "role": copier, "count": 2},)),
         Cell("copy queue slower than release_grace", ({"action": "slow_copy", "role": copier, "seconds": slow},)),
         Cell("client disconnect", disconnect=True),
-        Cell("prefill killed", kill="prefill", errors_allowed=True),
-        Cell("decode killed", kill="decode", errors_allowed=True),
+        Cell("prefill killed", kill="prefill", errors_allowed=True, repeat=KILL_REPEAT),
+        Cell("decode killed", kill="decode", errors_allowed=True, repeat=KILL_REPEAT),
         Cell("prefill restarted", restart_first="prefill"),
         Cell("decode restarted", restart_first="decode"),
     ]
@@ -134,6 +136,7 @@ class Matrix:
         finally:
             self.set_rules(())
         for index, (status, seconds, payload) in enumerate(outcomes):
+            index %= len(self.prompts)
             result.requests += 1
             result.max_seconds = max(result.max_seconds, seconds)
             result.late += seconds > limit
@@ -148,6 +151,8 @@ class Matrix:
         if cell.kill:
             self._wait_back(cell.kill)
         result.idle_seconds = self._wait_idle(TIMEOUTS["defer_timeout"] + 20)
+        if cell.kill:
+            result.note = f"killed {cell.kill} 1 s into {len(outcomes)} requests"
         result.next_ok = self._next_ok()
         after = {url: _metrics(url) for url in (self.prefill_url, self.decode_url)}
         if not (cell.kill or cell.restart_first):
@@ -183,7 +188,7 @@ class Matrix:
             killer = threading.Timer(1.0, self._kill, args=(cell.kill,))
             killer.start()
         with ThreadPoolExecutor(self.concurrency) as pool:
-            outcomes = list(pool.map(one, self.prompts))
+            outcomes = list(pool.map(one, self.prompts * cell.repeat))
         if killer is not None:
             killer.join()
         return outcomes
