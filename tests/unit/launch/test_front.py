@@ -1,0 +1,179 @@
+"""The front on real sockets before a fake upstream: pass-through, /v1/models, error shapes, drain."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from pdserve.launch.front.server import DRAINING_MESSAGE, State
+from pdserve.launch.ports import port_free
+from tests.unit.launch.fake_upstream import MODELS, VLLM_404, running
+
+BASE = 27100  # 27100-27119
+
+
+def openai_error(response: requests.Response, status: int) -> dict:
+    """The response's OpenAI error object, checked to be one."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
+    return error
+
+
+def raw(port: int, data: bytes) -> bytes:
+    """Send `data` on a fresh connection; everything the front answers until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_requests_and_bodies_pass_through_with_connection_close():
+    with running(BASE) as run:
+        body = {"model": "m", "prompt": "héllo"}
+        echoed = requests.post(f"{run.url}/echo?x=1", json=body, headers={"X-Request-Id": "r1"}, timeout=10).json()
+        assert json.loads(echoed["body"].encode("latin-1")) == body
+        head = echoed["head"].lower()
+        assert head.startswith("post /echo?x=1 http/1.1\r\n") and "x-request-id: r1" in head
+        assert head.count("connection:") == 1 and "connection: close" in head  # the client's keep-alive is not sent
+        chunked = raw(BASE, b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                            b"5\r\nhello\r\n0\r\n\r\n")
+        assert chunked.startswith(b"HTTP/1.1 200") and b"connection: close" in chunked.lower()
+        assert b"5\\r\\nhello\\r\\n0\\r\\n\\r\\n" in chunked  # the chunked body arrived byte for byte
+        continued = raw(BASE, b"POST /continue HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                              b"Content-Length: 2\r\n\r\nok")
+        assert continued.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200") and continued.endswith(b"ok")
+
+
+def test_a_stream_is_relayed_as_it_arrives():
+    with running(BASE + 2) as run:
+        arrivals = []
+        with requests.get(f"{run.url}/stream?n=5&gap=0.3", stream=True, timeout=10) as response:
+            assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream"
+            for line in response.iter_lines():
+                if line:
+                    arrivals.append((time.monotonic(), json.loads(line[6:])["i"]))
+        assert [i for _, i in arrivals] == [0, 1, 2, 3, 4]
+        assert arrivals[-1][0] - arrivals[0][0] > 0.9  # not buffered until the end
+
+
+def test_models_are_asked_of_the_instances_in_turn():
+    with running(BASE + 4, models_from=(BASE + 19, BASE + 5)) as run:  # the first one is down
+        assert requests.get(f"{run.url}/v1/models", timeout=10).json() == MODELS
+    with running(BASE + 6, models_from=(BASE + 19,)) as run:
+        error = openai_error(requests.get(f"{run.url}/v1/models", timeout=10), 503)
+        assert error["message"].startswith("no instance answered GET /v1/models (instance27119: the instance27119 "
+                                           f"at http://127.0.0.1:{BASE + 19} is unreachable")
+
+
+@pytest.mark.parametrize("path, status, message", [
+    ("/router-422", 400, "Failed to deserialize the JSON body into the target type: missing field `model`"),
+    ("/router-400", 400, "Failed to parse the request body as JSON: expected value at line 1 column 1"),
+    ("/wrapped-404", 404, VLLM_404["error"]["message"]),
+    ("/vllm-404", 404, VLLM_404["error"]["message"]),
+    ("/no-workers", 503, "No workers available via service discovery: 0 prefill, 0 decode"),
+    ("/chunked-503", 503, "No prefill servers available"),
+    ("/empty-404", 404, "GET /empty-404: Not Found"),
+])
+def test_errors_reach_the_client_in_openai_shape(path, status, message):
+    with running(BASE + 8) as run:
+        error = openai_error(requests.get(f"{run.url}{path}", timeout=10), status)
+        assert error["message"].startswith(message), error
+        assert error["type"] == {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}[status]
+        if path == "/vllm-404":
+            assert requests.get(f"{run.url}{path}", timeout=10).json() == VLLM_404  # vLLM's own: unchanged
+
+
+def test_an_unreachable_upstream_and_a_malformed_request_are_named():
+    with running(BASE + 10, upstream_port=BASE + 19) as run:
+        error = openai_error(requests.get(f"{run.url}/v1/completions", timeout=10), 502)
+        assert error["message"].startswith(f"the router at http://127.0.0.1:{BASE + 19} is unreachable")
+        answer = raw(BASE + 10, b"GET /x HTTP/1.1\r\nbad header line\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 400 Bad Request") and b"malformed header line" in answer
+        answer = raw(BASE + 10, b"POST /x HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n")
+        assert b"both Content-Length and Transfer-Encoding" in answer
+
+
+def test_drain_finishes_requests_in_flight_and_refuses_new_ones():
+    with running(BASE + 12, drain_timeout=10) as run:
+        results = {}
+        slow = threading.Thread(target=lambda: results.update(slow=requests.get(f"{run.url}/slow?s=1.5", timeout=10)))
+        slow.start()
+        deadline = time.monotonic() + 5
+        while run.front.num_in_flight == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        start = time.monotonic()
+        drained = run.drain_soon()
+        while run.front.state is not State.DRAINING:
+            time.sleep(0.01)
+        refused = requests.get(f"{run.url}/health", timeout=10)
+        assert openai_error(refused, 503)["message"] == DRAINING_MESSAGE
+        assert drained.result(10) == 0  # nothing cut off
+        slow.join(10)
+        assert results["slow"].status_code == 200 and results["slow"].json() == {"slept": True}
+        assert 1.0 < time.monotonic() - start < 5
+        assert run.front.state is State.STOPPED and port_free(BASE + 12)
+
+
+def test_drain_cuts_off_what_outlives_its_deadline():
+    with running(BASE + 14, drain_timeout=0.5) as run:
+        outcome = {}
+
+        def stuck():
+            try:
+                outcome["response"] = requests.get(f"{run.url}/slow?s=30", timeout=10)
+            except requests.RequestException as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=stuck)
+        thread.start()
+        while run.front.num_in_flight == 0:
+            time.sleep(0.01)
+        start = time.monotonic()
+        assert run.drain_soon().result(10) == 1
+        assert time.monotonic() - start < 2
+        thread.join(10)
+        assert "error" in outcome  # the connection was closed on it: it cannot mistake it for an answer
+
+
+def test_the_front_process_drains_on_sigterm_and_exits():
+    with running(BASE + 16) as run:  # its fake upstream, on BASE + 17, serves the process below
+        port = BASE + 18
+        front = subprocess.Popen([sys.executable, "-m", "pdserve.launch.front", "--port", str(port),
+                                  "--upstream", f"router=http://127.0.0.1:{run.upstream.port}",
+                                  "--models-from", f"a=http://127.0.0.1:{run.upstream.port}", "--drain-timeout", "10"],
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 30
+            while port_free(port):
+                assert front.poll() is None and time.monotonic() < deadline, front.stderr.read()
+                time.sleep(0.05)
+            assert requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json() == MODELS
+            outcome = {}
+            slow = threading.Thread(target=lambda: outcome.update(
+                slow=requests.get(f"http://127.0.0.1:{port}/slow?s=2", timeout=30)))
+            slow.start()
+            time.sleep(0.5)
+            front.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert openai_error(requests.get(f"http://127.0.0.1:{port}/health", timeout=10), 503)
+            assert front.wait(10) == 0
+            slow.join(10)
+            assert outcome["slow"].status_code == 200
+            log = front.stderr.read()
+            assert "draining, 1 in flight (up to 10 s)" in log and "cut off" not in log, log
+        finally:
+            if front.poll() is None:
+                front.kill()
+                front.wait(10)
+        assert port_free(port)
