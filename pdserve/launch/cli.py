@@ -17,7 +17,7 @@ from pdserve.errors import LaunchError
 from pdserve.launch.cluster import Cluster
 from pdserve.launch.env import runs_dir
 from pdserve.launch.modes import mode_descriptions
-from pdserve.launch.options import DEFAULT_PORT, RESTART_POLICIES, UpOptions, parse_bytes
+from pdserve.launch.options import DEFAULT_DRAIN_TIMEOUT, DEFAULT_PORT, RESTART_POLICIES, UpOptions, parse_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +49,9 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-args", default="", help="extra vLLM serve flags, one shell-quoted string")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
     p.add_argument("--log-dir", type=Path, help="keep the processes' logs here after stop")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
+                   help="on Ctrl-C/SIGTERM, new requests are refused (503) and those in flight get this "
+                        "many seconds to finish before everything stops (default %(default).0f)")
     p.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
                    help="once healthy, a process that dies is restarted (backoff 1 s doubling to 30 s; "
                         "default) or, with never, everything is stopped and pdserve exits non-zero")
@@ -58,7 +61,8 @@ def options_from(args: argparse.Namespace) -> UpOptions:
     return UpOptions(mode=args.mode, model=args.model, port=args.port, kv_cache_bytes=parse_bytes(args.kv_cache),
                      max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
                      enforce_eager=args.enforce_eager, extra_vllm_args=tuple(shlex.split(args.vllm_args)),
-                     startup_timeout=args.startup_timeout, log_dir=args.log_dir, restart=args.restart)
+                     startup_timeout=args.startup_timeout, log_dir=args.log_dir, restart=args.restart,
+                     drain_timeout=args.drain_timeout)
 
 
 class _Terminated(Exception):

@@ -8,12 +8,17 @@ A death during start fails the start. Once healthy, a Supervisor watches the pro
 restart "on-failure" it restarts a dead one (same spec, backoff); with "never" (the default for a
 Cluster built directly, so callers that kill instances on purpose see them stay dead) it records
 the first death in `failure`. Every child runs in its own session; stop() ends the supervisor,
-signals each process group (SIGTERM, deadline, SIGKILL) and removes the run directory (logs, ipc
-sockets, temp files), so nothing is left.
+drains the front (it refuses new requests and waits for those in flight, up to its drain
+timeout), signals each process group (SIGTERM, deadline, SIGKILL) and removes the run directory
+(logs, ipc sockets, temp files), so nothing is left.
+
+Start order: instances; the router with them (discovery) or once they are healthy (static URLs);
+the front once everything behind it is healthy. Stop order: the front, then all the rest at once.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import tempfile
@@ -22,11 +27,15 @@ from pathlib import Path
 
 from pdserve.errors import LaunchError
 from pdserve.launch.env import runs_dir
+from pdserve.launch.front.spec import DRAIN_GRACE_S, FrontSpec
 from pdserve.launch.modes import Deployment
 from pdserve.launch.ports import require_free
 from pdserve.launch.options import RestartPolicy, check_restart_policy
 from pdserve.launch.process import ManagedProcess
+from pdserve.launch.router import RouterSpec
 from pdserve.launch.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 30.0
 
@@ -44,6 +53,7 @@ class Cluster:
         self.run_dir: Path | None = None
         self.instances: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
+        self.front: ManagedProcess | None = None
         self.supervisor: Supervisor | None = None
         self.failure_log: list[str] = []
         self._state = "new"  # new -> starting -> healthy -> stopped
@@ -60,7 +70,8 @@ class Cluster:
 
     @property
     def processes(self) -> list[ManagedProcess]:
-        return [*self.instances, *([self.router] if self.router else [])]
+        """Every started process, in start order (instances, router, front)."""
+        return [p for p in (*self.instances, self.router, self.front) if p is not None]
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -81,7 +92,7 @@ class Cluster:
         try:
             require_free(self.deployment.ports)
             runs_dir().mkdir(parents=True, exist_ok=True)
-            self.run_dir = Path(tempfile.mkdtemp(prefix=f"{self.deployment.instances[0].port}-", dir=runs_dir()))
+            self.run_dir = Path(tempfile.mkdtemp(prefix=f"{self.deployment.client_port}-", dir=runs_dir()))
             for spec in self.deployment.instances:
                 process = ManagedProcess(spec.process_spec(self.run_dir))
                 self.instances.append(process)
@@ -104,6 +115,9 @@ class Cluster:
                 if not pending and self.router is None and self.deployment.router is not None:
                     self._start_router()
                     continue
+                if not pending and self.front is None and self.deployment.front is not None:
+                    self.front = self._start(self.deployment.front)
+                    continue
                 if not pending:
                     self._state = "healthy"
                     self.supervisor = Supervisor(self.processes, self.restart, self.startup_timeout)
@@ -118,14 +132,16 @@ class Cluster:
             raise
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Stop every process (router first) and remove the run dir. Idempotent."""
+        """Drain the front, stop every other process (router first) by `timeout` seconds after the
+        drain, and remove the run dir. Idempotent."""
         if self._state == "stopped":
             return
         self._state = "stopped"
-        deadline = time.monotonic() + timeout
         try:
             if self.supervisor is not None:
-                self.supervisor.stop(deadline)  # first: no restart may race the stop below
+                self.supervisor.stop(time.monotonic() + timeout)  # first: no restart may race the stop below
+            self._drain_front()
+            deadline = time.monotonic() + timeout
             for process in reversed(self.processes):
                 process.signal_group(signal.SIGTERM)  # SIGTERM all at once, then wait for each
             for process in reversed(self.processes):
@@ -149,10 +165,25 @@ class Cluster:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    def _drain_front(self) -> None:
+        """SIGTERM the front alone and give it its drain timeout (and a grace) to exit: requests in
+        flight finish while everything behind the front still runs."""
+        if self.front is None or not self.front.alive():
+            return
+        assert self.deployment.front is not None
+        drain_timeout = self.deployment.front.drain_timeout
+        logger.info("pdserve: draining: new requests refused, those in flight get up to %.0f s", drain_timeout)
+        self.front.stop(time.monotonic() + drain_timeout + DRAIN_GRACE_S)
+
     def _start_router(self) -> None:
-        assert self.deployment.router is not None and self.run_dir is not None
-        self.router = ManagedProcess(self.deployment.router.process_spec(self.run_dir))
-        self.router.start()
+        assert self.deployment.router is not None
+        self.router = self._start(self.deployment.router)
+
+    def _start(self, spec: RouterSpec | FrontSpec) -> ManagedProcess:
+        assert self.run_dir is not None
+        process = ManagedProcess(spec.process_spec(self.run_dir))
+        process.start()
+        return process
 
     def _check_alive(self) -> None:
         for process in self.processes:

@@ -24,7 +24,7 @@ class RequestTiming:
 
 
 def model_id(url: str) -> str:
-    """The served model's id, asked of an instance (vllm-router's PD mode does not list models)."""
+    """The served model's id, as GET /v1/models lists it."""
     response = requests.get(f"{url}/v1/models", timeout=30)
     response.raise_for_status()
     return response.json()["data"][0]["id"]
@@ -69,9 +69,8 @@ def demo_prompts(count: int) -> list[str]:
 
 
 def client_session(endpoint: str, num_requests: int, instance_urls: dict[str, str] | None = None) -> list[RequestTiming]:
-    urls = instance_urls or {"endpoint": endpoint}
-    model = model_id(next(iter(urls.values())))
-    decode_url = urls.get("decode")
+    model = model_id(endpoint)
+    decode_url = (instance_urls or {}).get("decode")
     timings = []
     for i, prompt in enumerate(demo_prompts(num_requests)):
         before = kv_bytes_received(decode_url)

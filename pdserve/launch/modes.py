@@ -9,11 +9,13 @@ PLUGIN_MODULES so `pdserve up --mode` sees them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
+from pdserve.launch.front.spec import FrontSpec
 from pdserve.launch.instance import InstanceSpec
 from pdserve.launch.options import UpOptions
 from pdserve.launch.router import RouterSpec
@@ -22,22 +24,47 @@ from pdserve.launch.shm_namespace import tmpfs_bytes
 
 @dataclass(frozen=True)
 class Deployment:
-    """What a launch runs. The client endpoint is the router when there is one, else the only instance."""
+    """What a launch runs. The client endpoint is the front when there is one (plan() adds it),
+    else the router when there is one, else the only instance."""
 
     instances: tuple[InstanceSpec, ...]
     router: RouterSpec | None = None
     extra_ports: tuple[int, ...] = ()  # other ports the launch binds (PD control plane, discovery)
+    front: FrontSpec | None = None
 
     @property
     def endpoint(self) -> str:
-        return self.router.url if self.router else self.instances[0].url
+        return self.front.url if self.front else self.backend.url
+
+    @property
+    def client_port(self) -> int:
+        return (self.front or self.backend).port
+
+    @property
+    def backend(self) -> RouterSpec | InstanceSpec:
+        """What serves the clients' requests (behind the front): the router, or the only instance."""
+        return self.router or self.instances[0]
 
     @property
     def ports(self) -> tuple[int, ...]:
         ports = [i.port for i in self.instances]
         if self.router:
             ports += [self.router.port, self.router.prometheus_port]
-        return (*ports, *self.extra_ports)
+        return (*ports, *self.extra_ports, *([self.front.port] if self.front else []))
+
+
+def with_front(deployment: Deployment, drain_timeout: float) -> Deployment:
+    """Put a front on the client port the planner gave its router (or only instance), and move
+    that one to the first port after all the others the deployment uses."""
+    spare = max(deployment.ports) + 1
+    if deployment.router:
+        moved = dataclasses.replace(deployment, router=dataclasses.replace(deployment.router, port=spare))
+    else:
+        first, *rest = deployment.instances
+        moved = dataclasses.replace(deployment, instances=(dataclasses.replace(first, port=spare), *rest))
+    upstream = (moved.backend.name, moved.backend.url)
+    sources = tuple((i.name, i.url) for i in moved.instances)
+    return dataclasses.replace(moved, front=FrontSpec(deployment.backend.port, upstream, sources, drain_timeout))
 
 
 Planner = Callable[[UpOptions], Deployment]
@@ -86,6 +113,7 @@ def mode_descriptions() -> dict[str, str]:
 
 
 def plan(options: UpOptions) -> Deployment:
+    """The mode's deployment, with a front on `options.port` (see with_front)."""
     _load_plugins()
     try:
         planner = MODES[options.mode].planner
@@ -94,6 +122,8 @@ def plan(options: UpOptions) -> Deployment:
     deployment = planner(options)
     if len(set(deployment.ports)) != len(deployment.ports):
         raise ConfigError(f"mode {options.mode!r} planned one port twice: {deployment.ports}")
+    if deployment.front is None and deployment.backend.port == options.port:
+        deployment = with_front(deployment, options.drain_timeout)
     return deployment
 
 

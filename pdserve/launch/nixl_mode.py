@@ -103,4 +103,4 @@ def nixl(options: UpOptions) -> Deployment:
     prefill, decode = instances
     router = RouterSpec(port=options.port, prometheus_port=options.port + 3, policy="round_robin",
                         extra_args=("--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url))
-    return Deployment(tuple(instances), router)
+    return Deployment(tuple(instances), router, extra_ports=(options.port + 5, options.port + 6))  # side channels

@@ -12,6 +12,7 @@ from pdserve.errors import ConfigError
 
 GIB = 1 << 30
 DEFAULT_PORT = 18000
+DEFAULT_DRAIN_TIMEOUT = 30.0
 RestartPolicy = Literal["on-failure", "never"]
 RESTART_POLICIES: tuple[str, ...] = get_args(RestartPolicy)
 
@@ -33,6 +34,8 @@ class UpOptions:
     `port` is the client-facing port (router, or the single instance); instances take the ports
     after it. `model` is a directory or a built-in size (tiny|small), resolved by launch.up().
     `restart`: what the cluster does when a process dies after it was healthy (RESTART_POLICIES).
+    `drain_timeout`: on stop, how long requests in flight may take to finish (new ones are
+    refused meanwhile); 0 cuts them off at once.
     """
 
     mode: str = "collocated"
@@ -47,11 +50,14 @@ class UpOptions:
     startup_timeout: float = 600.0
     log_dir: Path | None = None
     restart: RestartPolicy = "on-failure"
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
 
     def __post_init__(self) -> None:
         check_restart_policy(self.restart)
-        if not 1 <= self.port <= 65535 - 8:
+        if not 1 <= self.port <= 65535 - 16:
             raise ConfigError(f"port {self.port} out of range")
+        if not 0 <= self.drain_timeout < float("inf"):
+            raise ConfigError(f"drain timeout {self.drain_timeout} is not a number of seconds >= 0")
         if self.kv_cache_bytes < 16 << 20:
             raise ConfigError(f"KV cache of {self.kv_cache_bytes} bytes is too small (at least 16 MiB)")
         if not self.cores:

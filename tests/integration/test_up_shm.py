@@ -47,7 +47,7 @@ def test_sigkilled_instance_leaves_nothing_in_dev_shm(tmp_path):
         while not ready.exists():
             assert up.poll() is None and time.monotonic() < deadline, up.communicate(timeout=60)
             time.sleep(0.5)
-        leader = instance_leader(PORT)
+        leader = instance_leader(PORT + 1)  # the front has PORT
         private = os.listdir(f"/proc/{leader}/root/dev/shm")  # the instance's own /dev/shm
         assert any(n.startswith("psm_") for n in private), private  # vLLM's segments: the test is not vacuous
         if namespace_available():

@@ -49,7 +49,7 @@ def test_killed_decode_instance_is_restarted_and_serves_again():
     assert options.restart == "on-failure"  # the default, through code as on the command line
     with launched(options) as cluster:
         wait_served(cluster, 60)
-        assert cluster.restarts == {"prefill": 0, "decode": 0, "router": 0}, "a process died on its own"
+        assert cluster.restarts == {"prefill": 0, "decode": 0, "router": 0, "front": 0}, "a process died on its own"
         decode = cluster.instances[1]
         assert decode.name == "decode"
         killed, affinity = decode.pid, os.sched_getaffinity(decode.pid)
@@ -65,6 +65,6 @@ def test_killed_decode_instance_is_restarted_and_serves_again():
         assert response.json()["usage"]["completion_tokens"] == 8
         moved = metric(metrics(cluster.instance_urls["decode"]), "pdserve:kv_transfer_bytes_total")
         assert moved > 0, "the new D computed the prompt itself instead of receiving P's KV"
-        assert cluster.restarts == {"prefill": 0, "decode": 1, "router": 0}
+        assert cluster.restarts == {"prefill": 0, "decode": 1, "router": 0, "front": 0}
         restarted = decode.pid
     assert group_members(restarted) == []

@@ -26,6 +26,8 @@ if behaviour == "die":
     sys.exit(3)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path.startswith("/slow/"):  # /slow/<seconds>: a request that takes that long
+            time.sleep(float(self.path.split("/")[2]))
         self.send_response(200 if behaviour != "never-healthy" else 503); self.end_headers(); self.wfile.write(b"ok")
     def log_message(self, *a): pass
 http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()

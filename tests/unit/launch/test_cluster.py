@@ -1,3 +1,4 @@
+import threading
 import time
 
 import pytest
@@ -5,7 +6,7 @@ import requests
 
 from pdserve.errors import LaunchError
 from pdserve.launch.cluster import Cluster
-from pdserve.launch.modes import Deployment
+from pdserve.launch.modes import Deployment, with_front
 from pdserve.launch.ports import port_free
 from pdserve.launch.process import group_members
 from tests.unit.launch.fakes import FakeInstance
@@ -72,3 +73,27 @@ def test_port_in_use_is_refused_before_anything_starts():
         with pytest.raises(LaunchError, match=f"port {BASE + 6} already in use"):
             cluster.start()
         assert cluster.processes == []
+
+
+def test_stop_drains_the_front_while_the_instances_still_serve():
+    cluster = Cluster(with_front(Deployment((FakeInstance("a", BASE + 7),)), drain_timeout=10))
+    cluster.start()
+    cluster.wait_healthy(30)
+    assert cluster.endpoint == f"http://127.0.0.1:{BASE + 7}" and cluster.instance_urls == {"a": f"http://127.0.0.1:{BASE + 8}"}
+    assert [p.name for p in cluster.processes] == ["a", "front"]  # the front started last
+    outcome = {}
+    slow = threading.Thread(target=lambda: outcome.update(slow=requests.get(f"{cluster.endpoint}/slow/2", timeout=30)))
+    slow.start()
+    time.sleep(0.5)  # the request is in flight
+    stopper = threading.Thread(target=cluster.stop)
+    start = time.monotonic()
+    stopper.start()
+    time.sleep(0.5)
+    refused = requests.get(f"{cluster.endpoint}/health", timeout=10)
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    stopper.join(30)
+    slow.join(30)
+    assert outcome["slow"].status_code == 200 and outcome["slow"].text == "ok"
+    assert 1.5 < time.monotonic() - start < 10
+    assert all(group_members(p.pid) == [] for p in cluster.processes)
+    assert port_free(BASE + 7) and port_free(BASE + 8)

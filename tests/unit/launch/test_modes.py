@@ -20,12 +20,13 @@ def test_collocated_is_one_instance_on_all_cores_with_shared_flags():
     d = plan(UpOptions(mode="collocated", model="/m", port=18500, cores=(0, 1)))
     (inst,) = d.instances
     assert d.router is None and d.endpoint == "http://127.0.0.1:18500" and inst.cores == (0, 1)
+    assert d.front.upstream == ("vllm", "http://127.0.0.1:18501") and inst.port == 18501
     assert inst.shm_limit_bytes == GIB + HEADROOM_BYTES
     spec = inst.process_spec(Path("/run"))
     assert vllm_argv(spec.argv)[:3] == ("taskset", "-c", "0,1")
     args = " ".join(spec.argv)
     for flag in ("--dtype bfloat16", "--max-model-len 4096", f"--kv-cache-memory-bytes {GIB}",
-                 "--host 127.0.0.1", "--port 18500", "--enable-prefix-caching"):
+                 "--host 127.0.0.1", "--port 18501", "--enable-prefix-caching"):
         assert flag in args
     assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and spec.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert spec.env["VLLM_RPC_BASE_PATH"] == "/run/vllm" and spec.env["HF_HUB_OFFLINE"] == "1"
@@ -36,6 +37,7 @@ def test_round_robin_pins_one_instance_per_core_behind_the_router():
                        enforce_eager=True, extra_vllm_args=("--seed", "3")))
     assert [(i.name, i.port, i.cores) for i in d.instances] == [("vllm0", 18501, (0,)), ("vllm1", 18502, (1,))]
     assert d.endpoint == "http://127.0.0.1:18500" and d.router.policy == "round_robin"
+    assert d.router.port == 18504 and d.front.upstream == ("router", "http://127.0.0.1:18504")
     assert d.router.worker_urls == ("http://127.0.0.1:18501", "http://127.0.0.1:18502")
     args = vllm_argv(d.instances[1].process_spec(Path("/r")).argv)
     assert args[:3] == ("taskset", "-c", "1")
@@ -88,3 +90,19 @@ def test_up_help_lists_every_mode_with_its_description():
     for line, (name, description) in zip(listing, modes.items()):
         assert line.split(None, 1) == [name, description]
         assert 10 < len(description) < 120
+
+
+@pytest.mark.parametrize("mode", ["collocated", "round-robin", "write", "read"])
+def test_every_mode_gets_a_front_on_the_client_port(mode):
+    d = plan(UpOptions(mode=mode, model="/m", port=18500, cores=(0, 1), drain_timeout=7))
+    assert d.endpoint == d.front.url == "http://127.0.0.1:18500" and d.front.drain_timeout == 7
+    assert d.front.upstream == (d.backend.name, d.backend.url) and d.backend.port == max(d.ports[:-1])
+    assert d.front.model_sources == tuple((i.name, i.url) for i in d.instances)
+    assert len(set(d.ports)) == len(d.ports) and all(18500 <= p < 18516 for p in d.ports)
+    argv = d.front.process_spec(Path("/r")).argv
+    assert argv[1:3] == ("-m", "pdserve.launch.front") and "--drain-timeout" in argv and d.backend.url in " ".join(argv)
+
+
+def test_drain_timeout_is_checked():
+    with pytest.raises(ConfigError, match="drain timeout"):
+        UpOptions(drain_timeout=-1)
