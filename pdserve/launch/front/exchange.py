@@ -71,6 +71,8 @@ async def _response_head(reader: asyncio.StreamReader, upstream: Upstream, idle_
         except TimeoutError:
             raise UpstreamFailed(f"the {upstream.name} at {upstream.url} sent no answer in "
                                  f"{idle_timeout:.0f} s") from None
+        except HttpProtocolError as exc:
+            raise UpstreamFailed(f"the {upstream.name} at {upstream.url} answered {exc}") from None
         if head.status >= 200 or head.status == 101:
             return head
         await client.send(head.encode(close=False))
@@ -98,8 +100,9 @@ async def _forward(request: RequestHead, client: Client, upstream: Upstream, idl
             await client.send(OpenAIError(502, str(exc)).response())
             return
         if head.status >= 400:
-            error = from_upstream(head.status, await read_body(reader, head, request.method),
-                                  f"{request.method} {request.path}")
+            async with asyncio.timeout(idle_timeout):
+                body_bytes = await read_body(reader, head, request.method)
+            error = from_upstream(head.status, body_bytes, f"{request.method} {request.path}")
             await client.send(error.response())
             return
         await client.send(head.encode())

@@ -1,5 +1,6 @@
 """The front on real sockets before a fake upstream: pass-through, /v1/models, error shapes, drain."""
 
+import asyncio
 import json
 import signal
 import socket
@@ -177,3 +178,20 @@ def test_the_front_process_drains_on_sigterm_and_exits():
                 front.kill()
                 front.wait(10)
         assert port_free(port)
+
+
+def test_an_upstream_answering_garbage_is_a_502_naming_it():
+    async def garbage(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"SPDY/9 lol\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    with running(BASE + 20, upstream_port=BASE + 23) as run:
+        server = run.call(asyncio.start_server(garbage, "127.0.0.1", BASE + 23, reuse_address=True))
+        try:
+            error = openai_error(requests.get(f"{run.url}/v1/completions", timeout=10), 502)
+            assert "malformed status line" in error["message"], error
+        finally:
+            server.close()
+            run.call(server.wait_closed())
