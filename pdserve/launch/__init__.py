@@ -5,7 +5,7 @@
         cluster.wait_healthy(600)
         requests.post(cluster.endpoint + "/v1/completions", ...)
         cluster.instance_urls  # {"vllm0": "http://127.0.0.1:18001", ...}
-        cluster.restarts       # {"vllm0": 0, "vllm1": 1, "router": 0}: a dead process comes back
+        cluster.restarts       # {"vllm0": 0, "vllm1": 1, "router": 0, "front": 0}: a dead process comes back
 
 A new mode is one function in launch/modes.py (or any module listed in modes.PLUGIN_MODULES):
     @register("write")
