@@ -1,6 +1,7 @@
 """`pdserve up --mode write|read`: P and D with PDConnector behind vllm-router (MoRIIO protocol).
 
-Ports, from the launch's base port B: router B, P's HTTP B+1, D's HTTP B+2, router Prometheus B+3,
+Ports, from the deployment's base port B: router B (under `pdserve up`, pdserve's front takes B and
+the router moves to B+9), P's HTTP B+1, D's HTTP B+2, router Prometheus B+3,
 router discovery B+4, P's handshake/notify B+5/B+6, D's handshake/notify B+7/B+8. P runs on the
 first core and D on the second. Both share a control-plane secret kept in the project cache.
 This module must not import vLLM: the launcher plans deployments in a plain process.
