@@ -142,7 +142,7 @@ class TransferEngine:
         if self._config.role is Role.PRODUCER:
             self._send(spec.peer, WriteDone(spec.transfer_id, False, spec.reason))
         else:
-            self._send(spec.peer, Release(spec.transfer_id))
+            self._send(spec.peer, self._release(spec.transfer_id))
 
     def layer_ready(self, layer_index: int) -> None:
         """P WRITE: the forward pass has just computed `layer_index` for this step's sends."""
@@ -232,6 +232,14 @@ class TransferEngine:
         t = self._transfers.get(tid)
         if t is not None:
             self._on_transfer_message(t, sender, message)
+        elif isinstance(message, Release) and self._config.role is Role.PRODUCER and message.reply_host:
+            # D gave up on a transfer we have not seen (or already ended): fence it, so a send that
+            # comes later never writes, and tell D at once that nothing of ours will touch its blocks.
+            if tid not in self._terminal:
+                self._remember_terminal(tid)
+                self._early.pop(tid, None)
+            reply_to = PeerAddress(message.reply_host, 0, message.reply_notify_port)
+            self._notify(reply_to, WriteDone(tid, False, f"prefill has no transfer {tid} in progress"), sender)
         elif tid in self._terminal:
             if isinstance(message, ReadDone):
                 self._ack(sender, message, f"transfer {tid} is over: its KV was released or expired")
@@ -407,6 +415,9 @@ class TransferEngine:
             return False
         return self._notifier.notify(address, message, recipient)
 
+    def _release(self, transfer_id: str) -> Release:
+        return Release(transfer_id, self._config.host_ip, self._config.notify_port)
+
     def _ack(self, sender: str, message: ReadDone, error: str) -> None:
         reply_to = PeerAddress(message.reply_host, 0, message.reply_notify_port)
         self._notify(reply_to, ReadAck(message.transfer_id, not error, error), sender)
@@ -523,7 +534,7 @@ class TransferEngine:
     def _tell_stopped(self, t: Transfer, reason: str) -> None:
         if t.side is Side.SEND and t.mode is TransferMode.WRITE:
             return  # WriteDone(False) goes out in _conclude_stop, once no copy of ours is running
-        message = Release(t.transfer_id)
+        message = self._release(t.transfer_id)
         if t.peer_identity is not None:
             self._notify(t.peer, message, t.peer_identity)
         elif t.side is Side.RECV:

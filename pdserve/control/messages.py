@@ -177,12 +177,18 @@ class WriteDone:
 @dataclass(frozen=True)
 class Release:
     """D -> P: D gave up on `transfer_id` (or never wanted it). WRITE: P stops writing and
-    confirms with WriteDone(ok=False). READ: P frees the blocks it held."""
+    confirms with WriteDone(ok=False) — also for a transfer it does not know yet, which it then
+    refuses to start. READ: P frees the blocks it held."""
 
     transfer_id: str
+    reply_host: str = ""  # D's notify address: P answers a Release for a transfer it never had
+    reply_notify_port: int = 0
 
     def validate(self) -> None:
         _check_transfer_id(self)
+        _check(len(self.reply_host) <= 255, type(self), "reply_host longer than 255 characters")
+        _check(0 <= self.reply_notify_port < 65536 and bool(self.reply_host) == bool(self.reply_notify_port),
+               type(self), "reply_host and reply_notify_port must be given together, with a valid port")
 
 
 @message("ping")

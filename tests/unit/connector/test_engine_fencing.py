@@ -153,7 +153,7 @@ def test_read_ack_before_d_read_anything_does_not_confirm_it():
         pair.d.engine.add_recv(read_recv())  # P holds nothing: it refuses after defer_timeout
         pair.pump_until(lambda: "req-d" in pair.d.recving)
         assert pair.d.failed_recving == {"req-d"}
-        assert pair.d.notifier.messages(Release) == [Release("t1")]
+        assert [m.transfer_id for m in pair.d.notifier.messages(Release)] == ["t1"]
 
 
 def test_d_write_fails_at_once_when_p_dies(live_process):
@@ -239,3 +239,20 @@ def test_p_that_finds_the_old_d_dead_while_writing_resumes_with_the_new_d(live_p
         assert elapsed < 1.0
         assert new_d.failed_recving == set()
         assert new_d.snapshot() == moved(p_bytes, P_BLOCKS, new_before, D_BLOCKS)
+
+
+def test_d_giving_up_on_a_transfer_p_never_had_is_answered_at_once_and_fences_it():
+    """D timed out on t1, which P never saw (a forged id, or P's leg still queued): P answers the
+    Release with WriteDone(False) at once, so D recomputes without waiting for the fence, and a
+    send for t1 that reaches P later never writes D's blocks."""
+    with Pair(WRITE, d_timeouts={"transfer_timeout": 0.3}) as pair:
+        d_before = pair.d.snapshot()
+        pair.d.engine.add_recv(write_recv())
+        elapsed = pair.pump_until(lambda: "req-d" in pair.d.recving)
+        assert pair.d.failed_recving == {"req-d"}
+        assert elapsed < 0.3 + 0.5, f"D waited {elapsed:.2f} s: P's answer should end the wait, not the fence"
+        assert [m.ok for m in pair.p.notifier.messages(WriteDone)] == [False]
+        send(pair.p)
+        pair.p.finished_req_ids.add("req-p")
+        pair.pump_until(lambda: "req-p" in pair.p.sending, sides=(pair.p,))
+        assert pair.d.snapshot() == d_before, "P wrote blocks of a transfer D had already given up"

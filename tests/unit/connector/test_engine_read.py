@@ -130,7 +130,7 @@ def test_read_done_never_confirmed_fails_the_read_and_releases():
         pair.pump_until(lambda: "req-d" in pair.d.recving)
         assert pair.d.failed_recving == {"req-d"}
         assert pair.p.notifier.messages(ReadAck) == [ReadAck("t1", False, pair.p.notifier.messages(ReadAck)[0].error)]
-        assert pair.d.notifier.messages(Release) == [Release("t1")]
+        assert [m.transfer_id for m in pair.d.notifier.messages(Release)] == ["t1"]
         assert pair.d.engine.stats.num_completed == 0
 
 
@@ -172,7 +172,7 @@ def test_read_of_blocks_p_already_freed_is_a_failure():
         assert pair.d.failed_recving == {"req-d"}
         [ack] = pair.p.notifier.messages(ReadAck)
         assert not ack.ok and "is over" in ack.error
-        assert pair.d.notifier.messages(Release) == [Release("t1")], "D must still let P go"
+        assert [m.transfer_id for m in pair.d.notifier.messages(Release)] == ["t1"], "D must still let P go"
         assert pair.d.engine.stats.num_completed == 0
 
 
@@ -197,7 +197,7 @@ def test_remote_block_out_of_the_layout_fails_the_read_and_releases():
         pair.d.engine.add_recv(recv_spec(remote=(5, 6, 7, NUM_BLOCKS)))
         pair.pump_until(lambda: "req-d" in pair.d.recving)
         assert pair.d.failed_recving == {"req-d"}
-        assert pair.d.notifier.messages(Release) == [Release("t1")]
+        assert [m.transfer_id for m in pair.d.notifier.messages(Release)] == ["t1"]
         assert pair.d.snapshot() == d_before
 
 
@@ -240,5 +240,5 @@ def test_cancel_on_d_releases_p_hold():
         pair.p.finished_req_ids.add("req-p")
         pair.d.engine.cancel(CancelSpec("t1", P_ADDRESS, "request ended before decode allocated its blocks"))
         pair.pump_until(lambda: "req-p" in pair.p.sending)  # the Release leaves once D knows P's incarnation
-        assert [(s.message, s.recipient) for s in pair.d.notifier.sent] == [(Release("t1"), P_IDENTITY)]
+        assert [(s.message, s.recipient) for s in pair.d.notifier.sent] == [(Release("t1", "127.0.0.1", D_ADDRESS.notify_port), P_IDENTITY)]
         assert pair.p.notifier.sent == [], "a released hold is not answered"

@@ -209,7 +209,7 @@ def test_d_cancel_before_its_handshake_finished_still_releases_p():
         pair.p.finished_req_ids.add("req-p")
         elapsed = pair.pump_until(lambda: "req-d" in pair.d.recving and "req-p" in pair.p.sending, timeout_s=2.5)
         assert elapsed < 1.0, "P held its blocks for defer_timeout: D never released it"
-        assert pair.d.notifier.messages(Release) == [Release("t1")]
+        assert [m.transfer_id for m in pair.d.notifier.messages(Release)] == ["t1"]
         assert pair.d.failed_recving == {"req-d"}
 
 

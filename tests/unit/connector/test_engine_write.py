@@ -236,7 +236,7 @@ def test_cancel_on_d_sends_release():
         pair.d.engine.cancel(CancelSpec("t1", P_ADDRESS, "decode computes this prompt itself"))
         pair.pump_until(lambda: pair.d.notifier.sent, sides=(pair.d,))  # once D knows P's incarnation
         assert [(s.address, s.message, s.recipient) for s in pair.d.notifier.sent] == [
-            (P_ADDRESS, Release("t1"), P_IDENTITY)]
+            (P_ADDRESS, Release("t1", "127.0.0.1", D_ADDRESS.notify_port), P_IDENTITY)]
 
 
 def test_cancel_drops_a_held_early_message():
