@@ -52,6 +52,11 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
                    help="on Ctrl-C/SIGTERM, new requests are refused (503) and those in flight get this "
                         "many seconds to finish before everything stops (default %(default).0f)")
+    p.add_argument("--prefill-budget", type=int, metavar="TOKENS",
+                   help="--max-num-batched-tokens of the prefill instance(s) in PD modes (default: vLLM's)")
+    p.add_argument("--decode-budget", type=int, metavar="TOKENS",
+                   help="--max-num-batched-tokens of the decode instance(s) in PD modes; with adaptive "
+                        "placement, the chunk in which decode prefills a prompt itself (default: vLLM's)")
     p.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
                    help="once healthy, a process that dies is restarted (backoff 1 s doubling to 30 s; "
                         "default) or, with never, everything is stopped and pdserve exits non-zero")
@@ -62,7 +67,8 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
                      enforce_eager=args.enforce_eager, extra_vllm_args=tuple(shlex.split(args.vllm_args)),
                      startup_timeout=args.startup_timeout, log_dir=args.log_dir, restart=args.restart,
-                     drain_timeout=args.drain_timeout)
+                     drain_timeout=args.drain_timeout, prefill_budget=args.prefill_budget,
+                     decode_budget=args.decode_budget)
 
 
 class _Terminated(Exception):

@@ -130,7 +130,7 @@ def plan(options: UpOptions) -> Deployment:
 def plain_instance(options: UpOptions, name: str, port: int, cores: tuple[int, ...], role: str = "both") -> InstanceSpec:
     """A vLLM instance with the launch's shared flags; modes add their own via dataclasses.replace."""
     return InstanceSpec(name=name, role=role, port=port, model=options.model, cores=cores,
-                        vllm_args=options.vllm_args(), shm_limit_bytes=tmpfs_bytes(options.kv_cache_bytes))
+                        vllm_args=(*options.vllm_args(), *options.budget_args(role)), shm_limit_bytes=tmpfs_bytes(options.kv_cache_bytes))
 
 
 @register("collocated", "one plain vLLM instance on all cores, serving clients directly (the baseline)")

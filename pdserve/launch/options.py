@@ -51,6 +51,8 @@ class UpOptions:
     log_dir: Path | None = None
     restart: RestartPolicy = "on-failure"
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    prefill_budget: int | None = None  # --max-num-batched-tokens of prefill instances (None: vLLM's default)
+    decode_budget: int | None = None  # ... of decode instances; a PD decode instance's local prefill chunk
 
     def __post_init__(self) -> None:
         check_restart_policy(self.restart)
@@ -62,6 +64,14 @@ class UpOptions:
             raise ConfigError(f"KV cache of {self.kv_cache_bytes} bytes is too small (at least 16 MiB)")
         if not self.cores:
             raise ConfigError("no CPU cores to run on")
+        for name, budget in (("prefill", self.prefill_budget), ("decode", self.decode_budget)):
+            if budget is not None and not 16 <= budget <= 1 << 20:
+                raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
+
+    def budget_args(self, role: str) -> tuple[str, ...]:
+        """`--max-num-batched-tokens` for an instance of `role` (prefill|decode|both), if set."""
+        budget = {"prefill": self.prefill_budget, "decode": self.decode_budget}.get(role)
+        return () if budget is None else ("--max-num-batched-tokens", str(budget))
 
     def vllm_args(self) -> tuple[str, ...]:
         """Flags every vLLM instance of a launch shares."""
