@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pdserve.bench.plan import Workload
+from pdserve.bench.plan import PROMPT_CHUNK_TOKENS, Workload
 from pdserve.bench.records import load_bench_run
+from pdserve.bench.trace import write_trace
 from pdserve.errors import ConfigError, PDServeError
 
 
@@ -27,19 +28,23 @@ class BenchClientError(PDServeError):
 
 @dataclass(frozen=True)
 class BenchCommand:
-    """Everything one invocation needs; ``argv`` is the exact command line."""
+    """Everything one invocation needs; ``argv`` is the exact command line.
+
+    The client replays the trace of (workload, seed, rate) that ``trace.write_trace`` writes to
+    ``trace_path`` just before it starts."""
 
     base_url: str
     model_name: str  # the served model id (from /v1/models)
     tokenizer: Path
     workload: Workload
     rate: float
-    seed: int
+    seed: int  # the arrival seed: the same stream at every rate and in every configuration
     result_path: Path
+    trace_path: Path
 
     @property
     def expected_s(self) -> float:
-        """Arrival span of the point: vLLM rescales the schedule to last exactly N / rate."""
+        """Arrival span of the point (about N / rate)."""
         return self.workload.num_prompts / self.rate
 
     def argv(self, result_file: Path) -> list[str]:
@@ -48,14 +53,17 @@ class BenchCommand:
             sys.executable, "-m", "pdserve.vllm_cli", "bench", "serve",
             "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", self.base_url,
             "--model", self.model_name, "--tokenizer", str(self.tokenizer),
-            "--dataset-name", "random", "--random-input-len", str(w.input_len),
-            "--random-output-len", str(w.output_len), "--num-prompts", str(w.num_prompts),
-            "--request-rate", f"{self.rate:g}", "--burstiness", f"{w.burstiness:g}",
+            "--dataset-name", "timed_trace", "--dataset-path", str(self.trace_path),
+            "--timed-trace-chunk-hash-size", str(PROMPT_CHUNK_TOKENS), "--num-prompts", str(w.num_prompts),
             "--seed", str(self.seed), "--ignore-eos", "--temperature", "0", "--num-warmups", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--disable-tqdm", "--save-result", "--save-detailed",
             "--result-dir", str(result_file.parent), "--result-filename", result_file.name,
         ]
+
+
+# the client seeds each prompt chunk's tokens with hash() of its id: fixed, so prompts repeat exactly
+CLIENT_ENV = {"PYTHONHASHSEED": "0"}
 
 
 def run_bench(command: BenchCommand, log_path: Path, tick: Callable[[float], None] = lambda _: None,
@@ -70,11 +78,13 @@ def run_bench(command: BenchCommand, log_path: Path, tick: Callable[[float], Non
     log_path.parent.mkdir(parents=True, exist_ok=True)
     partial.unlink(missing_ok=True)
     deadline_s = startup_s + 3 * command.expected_s
+    write_trace(command.trace_path, command.workload, command.seed, command.rate)
     with open(log_path, "ab") as log:
         log.write(("$ " + " ".join(command.argv(partial)) + "\n").encode())
         log.flush()
         child = subprocess.Popen(command.argv(partial), stdin=subprocess.DEVNULL, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+                                 stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, **CLIENT_ENV})
     started = time.monotonic()
     try:
         while child.poll() is None:

@@ -17,19 +17,49 @@ from pdserve.errors import ConfigError
 KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl")
 
 
+WORKLOAD_KINDS = ("random", "shared-prefix")
+PROMPT_CHUNK_TOKENS = 16  # prompts are built from chunks of this many tokens (see trace.py)
+
+
 @dataclass(frozen=True)
 class Workload:
-    """The `vllm bench serve` random-dataset load of one point (one rate, one seed)."""
+    """The requests of one point (one rate, one seed): random-token prompts of ``input_len``
+    tokens, each generating exactly ``output_len`` tokens (--ignore-eos).
+
+    ``shared-prefix``: every prompt starts with one of ``num_prefixes`` shared prefixes of
+    ``prefix_len`` tokens (chosen at random per request); the rest of the prompt is its own."""
 
     input_len: int
     output_len: int
     num_prompts: int
     burstiness: float = 1.0  # 1 = Poisson arrivals
+    kind: str = "random"
+    prefix_len: int = 0
+    num_prefixes: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.input_len, self.output_len, self.num_prompts) < 1 or self.burstiness <= 0:
+            raise ConfigError(f"workload lengths, prompt count and burstiness must be positive: {self}")
+        if self.kind not in WORKLOAD_KINDS:
+            raise ConfigError(f"unknown workload kind {self.kind!r} (known: {', '.join(WORKLOAD_KINDS)})")
+        if self.kind == "shared-prefix" and not (
+                self.num_prefixes >= 1 and 0 < self.prefix_len < self.input_len
+                and self.prefix_len % PROMPT_CHUNK_TOKENS == 0):
+            raise ConfigError(f"a shared-prefix workload needs num_prefixes >= 1 and a prefix_len below input_len "
+                              f"in multiples of {PROMPT_CHUNK_TOKENS}: {self}")
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether deployments serving it keep prefix caching on (only where prompts share prefixes)."""
+        return self.kind == "shared-prefix"
 
 
 @dataclass(frozen=True)
 class Point:
-    """One bench invocation: a configuration at a rate with an arrival seed."""
+    """One bench invocation: a configuration at a rate with an arrival seed.
+
+    The seed alone fixes the request stream (arrivals.py, trace.py): the same prompts and the
+    same unit-rate arrival pattern at every rate and in every configuration."""
 
     config: str
     rate: float
@@ -38,14 +68,6 @@ class Point:
     @property
     def key(self) -> str:
         return f"{self.config}/r{self.rate:g}_s{self.seed}"
-
-    def bench_seed(self, plan: "BenchPlan") -> int:
-        """The `--seed` passed to vllm bench: fresh prompts per (rate, seed), same in every config.
-
-        Distinct seeds per point mean no prompt is ever sent twice to one deployment, so no point
-        gets prefix-cache hits from an earlier one even where prefix caching is on.
-        """
-        return 1000 * self.seed + plan.rates.index(self.rate)
 
 
 @dataclass(frozen=True)

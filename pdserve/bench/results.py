@@ -2,6 +2,7 @@
 
     <dir>/plan.json                      the frozen BenchPlan
     <dir>/raw/<config>/r<rate>_s<seed>.json   vllm bench serve --save-detailed output, untouched
+    <dir>/traces/r<rate>_s<seed>.jsonl   the request stream replayed at that point
     <dir>/logs/<config>/...              bench client and deployment logs
     <dir>/tune.json                      chunk-size tuning of the `chunked` config
     <dir>/notes.json                     setup notes the report repeats (tuning, workarounds)
@@ -47,6 +48,10 @@ class ResultsDir:
 
     def raw_path(self, point: Point) -> Path:
         return self.root / "raw" / point.config / f"r{point.rate:g}_s{point.seed}.json"
+
+    def trace_path(self, point: Point) -> Path:
+        """The replayed request stream (same for every configuration)."""
+        return self.root / "traces" / f"r{point.rate:g}_s{point.seed}.jsonl"
 
     def log_dir(self, config: str) -> Path:
         return self.root / "logs" / config

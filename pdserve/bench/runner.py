@@ -95,7 +95,8 @@ class Runner:
             for point in points:
                 progress.event(f"{config} @ {point.rate:g} req/s, seed {point.seed}")
                 command = BenchCommand(endpoint.base_url, endpoint.model_name, self.model_dir, self.plan.workload,
-                                       point.rate, point.bench_seed(self.plan), self.results.raw_path(point))
+                                       point.rate, point.seed, self.results.raw_path(point),
+                                       self.results.trace_path(point))
                 self.bench(command, self.results.log_dir(config) / f"bench_r{point.rate:g}_s{point.seed}.log",
                            tick=progress.tick)
                 progress.finish_point(self._point_s(point.rate))
@@ -132,7 +133,8 @@ class Runner:
             with self.deployer.up(request) as endpoint:
                 self.warm(endpoint, self.plan)
                 command = BenchCommand(endpoint.base_url, endpoint.model_name, self.model_dir, self.plan.workload,
-                                       self.plan.headline, tune.TUNE_SEED_BASE + budget, raw)
+                                       self.plan.headline, tune.TUNE_SEED, raw,
+                                       raw.with_suffix(".trace.jsonl"))
                 self.bench(command, log_dir / f"bench_{name}.log", tick=progress.tick)
         progress.finish_work(STARTUP_ESTIMATE_S + self._point_s(self.plan.headline))
         return tune.trial(self.plan, budget, load_bench_run(raw))

@@ -12,14 +12,15 @@ from tests.unit.bench import synthetic
 
 def command(tmp_path, rate=10.0):
     return BenchCommand("http://127.0.0.1:38000", "m", tmp_path / "tok", Workload(64, 4, 5), rate, 1001,
-                        tmp_path / "raw" / "r1_s1.json")
+                        tmp_path / "raw" / "r1_s1.json", tmp_path / "traces" / "r1_s1.jsonl")
 
 
 def test_argv_has_the_required_flags(tmp_path):
     argv = command(tmp_path).argv(tmp_path / "x.part")
     text = " ".join(argv)
-    for flag in ("--dataset-name random", "--ignore-eos", "--temperature 0", "--save-detailed", "--save-result",
-                 "--seed 1001", "--request-rate 10", "--burstiness 1", "--num-prompts 5", "--num-warmups 0",
+    for flag in ("--dataset-name timed_trace", f"--dataset-path {tmp_path / 'traces' / 'r1_s1.jsonl'}",
+                 "--ignore-eos", "--temperature 0", "--save-detailed", "--save-result",
+                 "--timed-trace-chunk-hash-size 16", "--num-prompts 5", "--num-warmups 0",
                  f"--tokenizer {tmp_path / 'tok'}", "--result-filename x.part"):
         assert flag in text
     assert argv[1:5] == ["-m", "pdserve.vllm_cli", "bench", "serve"]
