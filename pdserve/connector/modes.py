@@ -1,9 +1,25 @@
 """`pdserve up --mode write|read`: P and D with PDConnector behind vllm-router (MoRIIO protocol).
 
-Ports, from the deployment's base port B: router B (under `pdserve up`, pdserve's front takes B and
-the router moves to B+9), P's HTTP B+1, D's HTTP B+2, router Prometheus B+3,
-router discovery B+4, P's handshake/notify B+5/B+6, D's handshake/notify B+7/B+8. P runs on the
-first core and D on the second. Both share a control-plane secret kept in the project cache.
+xPyD: `--prefill N --decode M` (UpOptions.num_prefill / num_decode, 1 and 1 by default) runs N
+prefill and M decode instances; every one registers with vllm-router's discovery socket, and the
+router picks a prefill and a decode instance per request with a policy per role: prefill
+round_robin (request k goes to prefill k mod N), decode random. vllm-router 0.1.17 keeps one
+counter per policy, so round_robin for both would tie prefill i to decode i whenever N = M; with a
+random decode any prefill pairs with any decode.
+
+Ports, from the deployment's base port B, with K = N + M instances:
+    B                      router (under `pdserve up`, pdserve's front takes B and the router moves
+                           to B+3K+3, the first port after all of these)
+    B+1 .. B+N             prefill instances' HTTP
+    B+N+1 .. B+K           decode instances' HTTP
+    B+K+1                  router Prometheus
+    B+K+2                  router discovery (instances register here)
+    B+K+3+2i, B+K+4+2i     handshake / notify of instance i (prefill 0..N-1, then decode)
+so 1P+1D is B, P B+1, D B+2, Prometheus B+3, discovery B+4, handshake/notify B+5..B+8, router
+B+9; 2P+1D uses B..B+12. Instances are named prefill/decode when there is one of the role, else
+prefill0, prefill1, ... Cores are divided by launch.cores.divide_cores (P and D on their own
+cores where there are enough; shared, with one warning, where not). All instances share a
+control-plane secret kept in the project cache.
 This module must not import vLLM: the launcher plans deployments in a plain process.
 """
 
@@ -11,10 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.control.secret import generate_secret_file
 from pdserve.errors import ConfigError
+from pdserve.launch.cores import divide_cores, sharing_warning
 from pdserve.launch.env import cache_dir
 from pdserve.launch.modes import Deployment, plain_instance, register
 from pdserve.launch.options import UpOptions
@@ -54,25 +72,78 @@ def transfer_config(role: str, mode: str, http_port: int, handshake_port: int, n
     })
 
 
+@dataclass(frozen=True)
+class PortLayout:
+    """The ports of an N-prefill, M-decode deployment from base port `base` (module docstring)."""
+
+    base: int
+    num_prefill: int
+    num_decode: int
+
+    @property
+    def num_instances(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    def http(self, index: int) -> int:
+        """Instance `index` (prefill 0..N-1, then decode)."""
+        return self.base + 1 + index
+
+    @property
+    def prometheus(self) -> int:
+        return self.base + self.num_instances + 1
+
+    @property
+    def discovery(self) -> int:
+        return self.base + self.num_instances + 2
+
+    def handshake(self, index: int) -> int:
+        return self.base + self.num_instances + 3 + 2 * index
+
+    def notify(self, index: int) -> int:
+        return self.handshake(index) + 1
+
+    @property
+    def control_ports(self) -> tuple[int, ...]:
+        """Discovery and every instance's handshake/notify port (the ports no HTTP server binds)."""
+        return (self.discovery, *(p for i in range(self.num_instances) for p in (self.handshake(i), self.notify(i))))
+
+    @property
+    def last(self) -> int:
+        """The highest port of the layout (the front's move of the router takes the next one)."""
+        return self.notify(self.num_instances - 1)
+
+
+def instance_names(role: str, count: int) -> list[str]:
+    return [role] if count == 1 else [f"{role}{i}" for i in range(count)]
+
+
 def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = None,
                   by_name: bool = False) -> Deployment:
-    """The P+D deployment; `connector_extra` goes into both instances' kv_connector_extra_config."""
-    if len(options.cores) < 2:
-        raise ConfigError(f"{mode} mode needs two cores (P and D each get one)")
-    base = options.port
-    discovery = base + 4
+    """The xPyD deployment of `options.num_prefill` P and `options.num_decode` D instances;
+    `connector_extra` goes into every instance's kv_connector_extra_config."""
+    ports = PortLayout(options.port, options.num_prefill, options.num_decode)
+    if ports.last + 1 > 65535:
+        raise ConfigError(f"{ports.num_instances} PD instances from port {options.port} need ports up to "
+                          f"{ports.last + 1}: choose a lower --port")
+    cores = divide_cores(options.cores, options.num_prefill, options.num_decode)
+    roles = [("prefill", "kv_producer", name, c)
+             for name, c in zip(instance_names("prefill", options.num_prefill), cores.prefill)]
+    roles += [("decode", "kv_consumer", name, c)
+              for name, c in zip(instance_names("decode", options.num_decode), cores.decode)]
     instances = []
-    for i, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
-        http_port = base + 1 + i
-        spec = plain_instance(options, name, http_port, (options.cores[i],), role=name)
-        config = transfer_config(role, mode, http_port, base + 5 + 2 * i, base + 6 + 2 * i, discovery, connector_extra, by_name)
+    for i, (role, kv_role, name, instance_cores) in enumerate(roles):
+        spec = plain_instance(options, name, ports.http(i), instance_cores, role=role)
+        config = transfer_config(kv_role, mode, ports.http(i), ports.handshake(i), ports.notify(i), ports.discovery,
+                                 connector_extra, by_name)
         instances.append(dataclasses.replace(spec, extra_args=("--kv-transfer-config", config)))
     router = RouterSpec(
-        port=base, prometheus_port=base + 3, policy="round_robin",
-        extra_args=("--vllm-pd-disaggregation", "--kv-connector", "moriio",
-                    "--vllm-discovery-address", f"{HOST}:{discovery}"),
+        port=options.port, prometheus_port=ports.prometheus, policy="round_robin",
+        extra_args=("--prefill-policy", "round_robin", "--decode-policy", "random",
+                    "--vllm-pd-disaggregation", "--kv-connector", "moriio",
+                    "--vllm-discovery-address", f"{HOST}:{ports.discovery}"),
     )
-    return Deployment(tuple(instances), router, extra_ports=(discovery, *range(base + 5, base + 9)))
+    warnings = (sharing_warning({i.name: i.cores for i in instances}, len(options.cores)),) if cores.shared else ()
+    return Deployment(tuple(instances), router, extra_ports=ports.control_ports, warnings=warnings)
 
 
 @register("write")

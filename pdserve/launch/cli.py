@@ -52,6 +52,12 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
                    help="on Ctrl-C/SIGTERM, new requests are refused (503) and those in flight get this "
                         "many seconds to finish before everything stops (default %(default).0f)")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", dest="num_prefill",
+                   help="prefill instances in PD modes (write, read), each registered with the router; cores "
+                        "are divided among all instances (default 1)")
+    p.add_argument("--decode", type=int, default=1, metavar="M", dest="num_decode",
+                   help="decode instances in PD modes; the router pairs any prefill with any decode per "
+                        "request (default 1)")
     p.add_argument("--prefill-budget", type=int, metavar="TOKENS",
                    help="--max-num-batched-tokens of the prefill instance(s) in PD modes (default: vLLM's)")
     p.add_argument("--decode-budget", type=int, metavar="TOKENS",
@@ -68,7 +74,8 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      enforce_eager=args.enforce_eager, extra_vllm_args=tuple(shlex.split(args.vllm_args)),
                      startup_timeout=args.startup_timeout, log_dir=args.log_dir, restart=args.restart,
                      drain_timeout=args.drain_timeout, prefill_budget=args.prefill_budget,
-                     decode_budget=args.decode_budget)
+                     decode_budget=args.decode_budget, num_prefill=args.num_prefill,
+                     num_decode=args.num_decode)
 
 
 class _Terminated(Exception):
@@ -94,6 +101,8 @@ def started(options: UpOptions) -> Cluster:
     signal.signal(signal.SIGTERM, _raise_terminated)
     start = time.monotonic()
     cluster = launch.up(options)
+    for warning in cluster.deployment.warnings:
+        logging.getLogger("pdserve.launch").warning("pdserve: warning: %s", warning)
     cluster.wait_healthy(options.startup_timeout)
     print(f"pdserve: {options.mode} on {options.model} healthy in {time.monotonic() - start:.1f} s", flush=True)
     return cluster
@@ -118,8 +127,9 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         cluster = started(options)
         print(f"OpenAI endpoint: {cluster.endpoint}/v1", flush=True)
-        for name, url in cluster.instance_urls.items():
-            print(f"  instance {name}: {url}", flush=True)
+        for spec in cluster.deployment.instances:
+            print(f"  instance {spec.name}: {spec.url} ({spec.role}, cores {','.join(map(str, spec.cores))})",
+                  flush=True)
         if args.ready_file:
             args.ready_file.write_text(f"{cluster.endpoint}\n")
         print("Ctrl-C to stop", flush=True)

@@ -31,6 +31,7 @@ class Deployment:
     router: RouterSpec | None = None
     extra_ports: tuple[int, ...] = ()  # other ports the launch binds (PD control plane, discovery)
     front: FrontSpec | None = None
+    warnings: tuple[str, ...] = ()  # for the user, once, at start (e.g. instances sharing cores)
 
     @property
     def endpoint(self) -> str:
@@ -120,11 +121,23 @@ def plan(options: UpOptions) -> Deployment:
     except KeyError:
         raise ConfigError(f"unknown mode {options.mode!r} (known: {', '.join(sorted(MODES))})") from None
     deployment = planner(options)
+    _check_shape(options, deployment)
     if len(set(deployment.ports)) != len(deployment.ports):
         raise ConfigError(f"mode {options.mode!r} planned one port twice: {deployment.ports}")
     if deployment.front is None and deployment.backend.port == options.port:
         deployment = with_front(deployment, options.drain_timeout)
     return deployment
+
+
+def _check_shape(options: UpOptions, deployment: Deployment) -> None:
+    """--prefill/--decode other than 1 are refused by a mode that does not run that many."""
+    if (options.num_prefill, options.num_decode) == (1, 1):
+        return
+    counts = {role: sum(i.role == role for i in deployment.instances) for role in ("prefill", "decode")}
+    if (counts["prefill"], counts["decode"]) != (options.num_prefill, options.num_decode):
+        raise ConfigError(f"mode {options.mode!r} runs {counts['prefill']} prefill and {counts['decode']} decode "
+                          f"instances; --prefill {options.num_prefill} --decode {options.num_decode} is for the "
+                          "modes that run several (write, read)")
 
 
 def plain_instance(options: UpOptions, name: str, port: int, cores: tuple[int, ...], role: str = "both") -> InstanceSpec:

@@ -13,6 +13,7 @@ from pdserve.errors import ConfigError
 GIB = 1 << 30
 DEFAULT_PORT = 18000
 DEFAULT_DRAIN_TIMEOUT = 30.0
+MAX_INSTANCES_PER_ROLE = 16
 RestartPolicy = Literal["on-failure", "never"]
 RESTART_POLICIES: tuple[str, ...] = get_args(RestartPolicy)
 
@@ -36,6 +37,8 @@ class UpOptions:
     `restart`: what the cluster does when a process dies after it was healthy (RESTART_POLICIES).
     `drain_timeout`: on stop, how long requests in flight may take to finish (new ones are
     refused meanwhile); 0 cuts them off at once.
+    `num_prefill`, `num_decode`: how many prefill and decode instances a PD mode runs (xPyD); a
+    mode with a fixed shape refuses other numbers (see modes.plan).
     """
 
     mode: str = "collocated"
@@ -53,6 +56,8 @@ class UpOptions:
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     prefill_budget: int | None = None  # --max-num-batched-tokens of prefill instances (None: vLLM's default)
     decode_budget: int | None = None  # ... of decode instances; a PD decode instance's local prefill chunk
+    num_prefill: int = 1
+    num_decode: int = 1
 
     def __post_init__(self) -> None:
         check_restart_policy(self.restart)
@@ -64,6 +69,9 @@ class UpOptions:
             raise ConfigError(f"KV cache of {self.kv_cache_bytes} bytes is too small (at least 16 MiB)")
         if not self.cores:
             raise ConfigError("no CPU cores to run on")
+        for name, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+            if not 1 <= count <= MAX_INSTANCES_PER_ROLE:
+                raise ConfigError(f"{count} {name} instances: give 1..{MAX_INSTANCES_PER_ROLE}")
         for name, budget in (("prefill", self.prefill_budget), ("decode", self.decode_budget)):
             if budget is not None and not 16 <= budget <= 1 << 20:
                 raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
