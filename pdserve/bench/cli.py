@@ -1,9 +1,11 @@
 """`pdserve bench`: SLO-goodput sweep over deployment configurations, with report and plots.
 
     pdserve bench                      # the default preset into benchmarks/default (resumes if re-run)
-    pdserve bench --quick              # ~4 min smoke run into benchmarks/quick
+    pdserve bench --quick              # a few minutes: PD against plain serving, tiny model
     pdserve bench --configs collocated,round-robin,write --rates 2,4,6 --out benchmarks/mine
-    pdserve bench --report-only --out benchmarks/default
+    pdserve bench --workload decode-heavy --out benchmarks/decode-heavy
+    pdserve bench --tune write=default,512,256 --tune adaptive=512/256,512/128
+    pdserve bench --report-only --out benchmarks/default [--slo gap30:ttft<1000,max_gap<30]
 
 Re-running the same command continues an interrupted run where it stopped; a results directory
 holding a different plan is refused.
@@ -18,7 +20,8 @@ import sys
 from pathlib import Path
 
 from pdserve.bench.plan import KNOWN_CONFIGS, BenchPlan
-from pdserve.bench.presets import PRESETS, RATIONALE, preset
+from pdserve.bench.deployment import BENCH_PORT
+from pdserve.bench.presets import OPTIONAL_CONFIGS, PRESETS, RATIONALE, WORKLOADS, preset, with_workload
 from pdserve.bench.results import ResultsDir
 from pdserve.bench.slo import SLO
 from pdserve.errors import ConfigError
@@ -30,7 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
     p.add_argument("--configs", help=f"comma list from {', '.join(KNOWN_CONFIGS)}")
-    p.add_argument("--rates", help="comma list of request rates (req/s)")
+    p.add_argument("--rates", help="comma list of request rates (req/s; replaces the calibrated grid)")
+    p.add_argument("--rate-fractions", help="comma list of rates as fractions of the calibrated capacity")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), help="named workload (lengths and kind)")
     p.add_argument("--seeds", help="comma list of arrival seeds (same for every configuration)")
     p.add_argument("--num-prompts", type=int, help="requests per point")
     p.add_argument("--input-len", type=int)
@@ -39,12 +44,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slo", action="append", metavar="NAME:SPEC",
                    help="SLO, e.g. blog:ttft<1000,mean_itl<50 or stall:ttft<500,max_gap<100 (repeat; replaces the preset's)")
     p.add_argument("--model", help="model size (tiny, small) or model directory")
-    p.add_argument("--headline-rate", type=float, help="rate of the requests-meeting-SLO table")
+    p.add_argument("--headline-rate", type=float,
+                   help="rate of the requests-meeting-SLO table and of tuning (a fraction of capacity with a calibrated grid)")
+    p.add_argument("--warmup-fraction", type=float, help="share of the arrival span not scored at the start (default 0.2)")
+    p.add_argument("--cooldown-fraction", type=float, help="share of the arrival span not scored at the end (default 0.1)")
+    p.add_argument("--tune", action="append", metavar="CONFIG=BUDGET,...",
+                   help="budgets to tune CONFIG over, e.g. round-robin=default,256 or adaptive=512/256,default/128 "
+                        "(repeat; replaces the preset's for that CONFIG; CONFIG= alone: no tuning)")
+    p.add_argument("--tune-slo", help="name of the SLO whose attainment tuning maximises (default: the first)")
     p.add_argument("--target", type=float, help="attainment a rate needs to count for goodput (default 0.9)")
     p.add_argument("--chunked-tokens", type=int, help="fixed --max-num-batched-tokens for `chunked` (no tuning)")
-    p.add_argument("--chunk-candidates", help="comma list of budgets to tune `chunked` over")
+    p.add_argument("--chunk-candidates", help="comma list of budgets to tune `chunked` over (same as --tune chunked=...)")
     p.add_argument("--out", type=Path, help="results directory (default <project>/benchmarks/<preset>)")
-    p.add_argument("--port", type=int, default=18800,
+    p.add_argument("--port", type=int, default=BENCH_PORT,
                    help="client-facing port of each deployment; it uses the next 9 too (default 18800; keep it below the kernel's ephemeral range, 32768+)")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite report and plots from existing results (with --slo: for those SLOs instead)")
@@ -58,23 +70,56 @@ def build_plan(args: argparse.Namespace) -> BenchPlan:
     if args.configs:
         over["configs"] = _strings(args.configs)
     if args.rates:
-        over["rates"] = tuple(_numbers(args.rates, float))
+        over["rates"], over["rate_fractions"] = tuple(_numbers(args.rates, float)), ()
+        if args.headline_rate is None and plan.calibrated:
+            over["headline_rate"] = max(over["rates"])
+    if args.rate_fractions:
+        over["rates"], over["rate_fractions"] = (), tuple(_numbers(args.rate_fractions, float))
     if args.seeds:
         over["seeds"] = tuple(_numbers(args.seeds, int))
     if args.slo:
         over["slos"] = tuple(SLO.parse(s) for s in args.slo)
-    for name in ("model", "headline_rate", "target"):
+    for name in ("model", "headline_rate", "target", "warmup_fraction", "cooldown_fraction", "tune_slo"):
         if getattr(args, name) is not None:
             over[name] = getattr(args, name)
+    candidates = dict(plan.candidates)
     if args.chunked_tokens is not None:
-        over["chunked_tokens"], over["chunk_candidates"] = args.chunked_tokens, ()
+        over["chunked_tokens"] = args.chunked_tokens
+        candidates.pop("chunked", None)
     if args.chunk_candidates:
-        over["chunk_candidates"] = tuple(_numbers(args.chunk_candidates, int))
+        candidates["chunked"] = tuple(str(n) for n in _numbers(args.chunk_candidates, int))
+    for text in args.tune or ():
+        config, sep, specs = text.partition("=")
+        if not sep:
+            raise ConfigError(f"--tune {text!r} is not CONFIG=BUDGET,... (e.g. write=default,512)")
+        candidates[config.strip()] = _strings(specs)
+    over["candidates"] = tuple((c, specs) for c, specs in candidates.items() if specs)
     workload = {k: v for k, v in (("num_prompts", args.num_prompts), ("input_len", args.input_len),
                                   ("output_len", args.output_len), ("burstiness", args.burstiness)) if v is not None}
+    plan = dataclasses.replace(plan, **over)
+    if args.workload:
+        plan = with_workload(plan, args.workload)
     if workload:
-        over["workload"] = dataclasses.replace(plan.workload, **workload)
-    return dataclasses.replace(plan, **over)
+        plan = dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, **workload))
+    if "slos" in over and plan.tune_slo not in [s.name for s in plan.slos]:
+        plan = dataclasses.replace(plan, tune_slo="")
+    return plan
+
+
+def drop_unregistered(plan: BenchPlan, explicit: bool) -> tuple[BenchPlan, list[str]]:
+    """A preset's optional configurations (adaptive) whose launcher mode is not registered are dropped,
+    with a note; asked for explicitly (--configs), they stay and the run refuses them."""
+    if explicit:
+        return plan, []
+    from pdserve.bench.deployment import LauncherDeployer
+
+    deployer = LauncherDeployer()
+    missing = [c for c in plan.configs if c in OPTIONAL_CONFIGS and deployer.unavailable(c)]
+    if not missing:
+        return plan, []
+    kept = tuple(c for c in plan.configs if c not in missing)
+    notes = [f"{c}: left out, its launcher mode is not registered yet." for c in missing]
+    return dataclasses.replace(plan, configs=kept, candidates=tuple(x for x in plan.candidates if x[0] in kept)), notes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,23 +130,30 @@ def run(args: argparse.Namespace) -> int:
         from pdserve.bench.runner import publish
 
         plan = results.open_plan(None)
+        added: list[str] = []
         if args.slo:  # other SLO definitions, evaluated on the same measured requests
-            plan = dataclasses.replace(plan, slos=tuple(SLO.parse(s) for s in args.slo))
-        print(publish(plan, results))
+            measured = {s.name for s in plan.slos}
+            slos = tuple(SLO.parse(s) for s in args.slo)
+            added = [s.name for s in slos if s.name not in measured]
+            plan = dataclasses.replace(plan, slos=slos, tune_slo="")
+        print(publish(plan, results, added_slos=added))
         return 0
-    plan = results.open_plan(build_plan(args))
+    plan, dropped = drop_unregistered(build_plan(args), explicit=bool(args.configs))
+    plan = results.open_plan(plan)
     from pdserve.bench.deployment import LauncherDeployer
-    from pdserve.bench.runner import Runner
+    from pdserve.bench.runner import Runner, estimate_s
     from pdserve.model.build import resolve_model
 
     base = preset(args.preset)
     changed = [k for k, v in plan.to_json().items() if base.to_json()[k] != v]
-    notes = [RATIONALE[args.preset] + (f" Overridden here: {', '.join(changed)}." if changed else "")]
+    notes = [RATIONALE[args.preset] + (f" Overridden here: {', '.join(changed)}." if changed else ""), *dropped]
     if "nixl" in plan.configs:
         from pdserve.launch.nixl_mode import WORKAROUNDS_NOTE, ensure_nixl
 
         ensure_nixl()
         notes.append(WORKAROUNDS_NOTE)
+    print(f"pdserve bench: {len(plan.configs)} configurations, about {estimate_s(plan) / 60:.0f} min from scratch "
+          f"(estimate) -> {results.root}", file=sys.stderr)
     runner = Runner(plan, results, LauncherDeployer(port=args.port), resolve_model(plan.model), notes=notes)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: everything is stopped
     try:

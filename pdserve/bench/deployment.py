@@ -1,8 +1,9 @@
 """How the bench brings a configuration up and down: the one place that talks to the launcher.
 
-A configuration name maps to a launcher mode plus extra vLLM arguments (``chunked`` is
-round-robin with a small --max-num-batched-tokens). Every configuration runs with prefix caching
-off (and every point has its own prompts), so no point benefits from another's.
+A configuration name maps to a launcher mode (``chunked`` is round-robin with a small
+--max-num-batched-tokens) plus its token budgets (budget.py): plain configurations pass theirs to
+every instance, PD ones per role (UpOptions.prefill_budget / decode_budget). Prefix caching is
+off unless the workload shares prefixes, so no point benefits from another's prompts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Protocol
 
+from pdserve.bench.budget import PLAIN_CONFIGS, Budget
 from pdserve.errors import ConfigError, LaunchError
 
 @dataclass(frozen=True)
@@ -24,11 +26,25 @@ class DeploymentRequest:
     config: str
     model_dir: Path
     log_dir: Path
-    extra_vllm_args: tuple[str, ...] = ()
+    budget: Budget = Budget()
+    prefix_caching: bool = False
 
     @property
     def mode(self) -> str:
         return "round-robin" if self.config == "chunked" else self.config
+
+    @property
+    def extra_vllm_args(self) -> tuple[str, ...]:
+        if self.config in PLAIN_CONFIGS and self.budget.prefill is not None:
+            return ("--max-num-batched-tokens", str(self.budget.prefill))
+        return ()
+
+    @property
+    def role_budgets(self) -> tuple[int | None, int | None]:
+        """(prefill, decode) budgets for the launcher's PD modes; (None, None) for plain ones."""
+        if self.config in PLAIN_CONFIGS:
+            return None, None
+        return self.budget.prefill, self.budget.decode
 
 
 @dataclass(frozen=True)
@@ -68,7 +84,7 @@ def expect_model(base_url: str, model_dir: Path) -> str:
 
 
 class LauncherDeployer:
-    """The real deployer: `pdserve.launch` modes, brought up from code on ports 18800-18809."""
+    """The real deployer: `pdserve.launch` modes, brought up from code on ``port`` and the next few."""
 
     def __init__(self, port: int = BENCH_PORT, startup_timeout_s: float = 600.0) -> None:
         self.port = port
@@ -88,8 +104,10 @@ class LauncherDeployer:
     def up(self, request: DeploymentRequest) -> Iterator[Endpoint]:
         from pdserve import launch
 
+        prefill_budget, decode_budget = request.role_budgets
         options = launch.UpOptions(mode=request.mode, model=str(request.model_dir), port=self.port,
-                                   prefix_caching=False, extra_vllm_args=request.extra_vllm_args,
+                                   prefix_caching=request.prefix_caching, extra_vllm_args=request.extra_vllm_args,
+                                   prefill_budget=prefill_budget, decode_budget=decode_budget,
                                    log_dir=request.log_dir, startup_timeout=self.startup_timeout_s)
         cluster = launch.up(options)
         try:

@@ -15,6 +15,7 @@ target; goodput is the last passing rate, linearly interpolated towards the firs
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -60,19 +61,31 @@ def goodput(rates: Sequence[float], attainments: Sequence[float], target: float 
     return Goodput(value, r_pass, Bound.EXACT, non_monotonic, lowest)
 
 
-def ratio(numerator: Goodput, denominator: Goodput) -> str:
-    """Goodput ratio as text, with ≥/≤ when a bound makes it one-sided; 'n/a' when undefined."""
-    if denominator.value == 0:
-        return "∞" if numerator.value > 0 else "n/a"
+@dataclass(frozen=True)
+class Ratio:
+    """A goodput ratio; ``relation`` says which way a bound makes it one-sided ("" = exact)."""
+
+    value: float  # NaN when undefined (both goodputs below the measured range)
+    relation: str = ""  # "≥", "≤", "~" (both lower bounds: direction unknown) or ""
+
+    def __str__(self) -> str:
+        return "n/a" if math.isnan(self.value) else f"{self.relation}{self.value:.2f}"
+
+
+def ratio(numerator: Goodput, denominator: Goodput) -> Ratio:
+    """numerator / denominator, made one-sided by the bounds.
+
+    A denominator that is 0 because no measured rate passed is only known to be below the lowest
+    rate, so the ratio is at least numerator / lowest rate ("≥ g", never "∞"); a numerator below
+    the range gives at most lowest rate / denominator."""
+    if denominator.bound is Bound.UPPER:
+        if numerator.bound is Bound.UPPER:
+            return Ratio(math.nan)
+        return Ratio(numerator.value / denominator.lowest_rate, "≥")
     if numerator.bound is Bound.UPPER:
-        return f"<{numerator.lowest_rate / denominator.value:.2f}"
+        return Ratio(numerator.lowest_rate / denominator.value, "≤")
     value = numerator.value / denominator.value
-    num_low = numerator.bound is Bound.LOWER
-    den_low = denominator.bound is Bound.LOWER
+    num_low, den_low = numerator.bound is Bound.LOWER, denominator.bound is Bound.LOWER
     if num_low and den_low:
-        return f"~{value:.2f}"  # both lower bounds: direction unknown
-    if num_low or denominator.bound is Bound.UPPER:
-        return f"≥{value:.2f}"
-    if den_low:
-        return f"≤{value:.2f}"
-    return f"{value:.2f}"
+        return Ratio(value, "~")
+    return Ratio(value, "≥" if num_low else "≤" if den_low else "")

@@ -11,10 +11,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.bench.budget import Budget
 from pdserve.bench.slo import SLO
 from pdserve.errors import ConfigError
 
-KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl")
+KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl", "adaptive")
 
 
 WORKLOAD_KINDS = ("random", "shared-prefix")
@@ -72,30 +73,78 @@ class Point:
 
 @dataclass(frozen=True)
 class BenchPlan:
+    """What to measure. Rates are either absolute (``rates``, req/s) or, in the presets,
+    ``rate_fractions`` of the capacity that a calibration measures at the start of the run
+    (calibrate.py); ``resolved`` turns the second into the first, and ``headline_rate`` is then a
+    fraction too. ``candidates`` lists, per configuration, the budgets to tune over (budget.py);
+    a configuration without any runs with vLLM's defaults (``chunked``: ``chunked_tokens``)."""
+
     configs: tuple[str, ...]
     rates: tuple[float, ...]
     seeds: tuple[int, ...]
     workload: Workload
     slos: tuple[SLO, ...]
     model: str  # model size name (pdserve make-model) or a model directory
-    headline_rate: float  # the rate of the Table-3 style comparison
+    headline_rate: float  # the rate of the Table-3 style comparison (a fraction with rate_fractions)
     target: float = 0.9  # attainment needed for a rate to count towards goodput
-    chunked_tokens: int = 256  # --max-num-batched-tokens of the `chunked` config
-    chunk_candidates: tuple[int, ...] = ()  # if set, `chunked_tokens` is tuned over these first
+    chunked_tokens: int = 256  # --max-num-batched-tokens of `chunked` when it is not tuned
+    candidates: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (config, budget specs) to tune over
     warmup_prompts: int = 4
+    rate_fractions: tuple[float, ...] = ()
+    warmup_fraction: float = 0.2  # of the arrival span, not scored (the system fills up)
+    cooldown_fraction: float = 0.1  # of the arrival span, not scored (arrivals stop, the system drains)
+    tune_slo: str = ""  # the SLO whose attainment tuning maximises (default: the first)
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.configs if c not in KNOWN_CONFIGS]
         if unknown:
             raise ConfigError(f"unknown configurations {unknown} (known: {', '.join(KNOWN_CONFIGS)})")
-        if not self.configs or not self.rates or not self.seeds or not self.slos:
+        if not self.configs or not (self.rates or self.rate_fractions) or not self.seeds or not self.slos:
             raise ConfigError("a plan needs at least one configuration, rate, seed and SLO")
-        if len(set(self.configs)) != len(self.configs) or len(set(self.rates)) != len(self.rates):
+        if self.rates and self.rate_fractions:
+            raise ConfigError("give rates or rate fractions of the calibrated capacity, not both")
+        grid = self.rates or self.rate_fractions
+        if len(set(self.configs)) != len(self.configs) or len(set(grid)) != len(grid):
             raise ConfigError("configurations and rates must not repeat")
-        if any(r <= 0 for r in self.rates):
-            raise ConfigError(f"rates must be positive: {self.rates}")
+        if any(r <= 0 for r in grid):
+            raise ConfigError(f"rates must be positive: {grid}")
         if not 0 < self.target <= 1:
             raise ConfigError(f"attainment target must be in (0, 1]: {self.target}")
+        if not (0 <= self.warmup_fraction and 0 <= self.cooldown_fraction
+                and self.warmup_fraction + self.cooldown_fraction < 0.9):
+            raise ConfigError(f"warm-up {self.warmup_fraction} + cool-down {self.cooldown_fraction} leave no window")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(f"seeds must not repeat: {self.seeds}")
+        if self.tune_slo and self.tune_slo not in [s.name for s in self.slos]:
+            raise ConfigError(f"tune SLO {self.tune_slo!r} is none of the plan's SLOs")
+        for config, specs in self.candidates:
+            if config not in KNOWN_CONFIGS or not specs:
+                raise ConfigError(f"tuning candidates for {config!r}: unknown configuration or no candidate")
+            for spec in specs:
+                Budget.parse(spec).check(config)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the rates still have to be placed by a calibration (``resolved``)."""
+        return bool(self.rate_fractions)
+
+    def resolved(self, capacity: float) -> "BenchPlan":
+        """The plan with ``rate_fractions`` x ``capacity`` (req/s, 2 decimals) as its rates."""
+        if not self.rate_fractions:
+            return self
+        rates = tuple(sorted({round(f * capacity, 2) for f in self.rate_fractions}))
+        if len(rates) != len(self.rate_fractions) or rates[0] <= 0:
+            raise ConfigError(f"capacity {capacity:.3f} req/s is too small for the rate grid {self.rate_fractions}")
+        return dataclasses.replace(self, rates=rates, rate_fractions=(),
+                                   headline_rate=round(self.headline_rate * capacity, 2))
+
+    def budgets(self, config: str) -> tuple[Budget, ...]:
+        """The tuning candidates of ``config``; empty when it is not tuned."""
+        return next((tuple(Budget.parse(s) for s in specs) for c, specs in self.candidates if c == config), ())
+
+    @property
+    def tuning_slo(self) -> SLO:
+        return next((s for s in self.slos if s.name == self.tune_slo), self.slos[0])
 
     def points(self) -> list[Point]:
         """Every point, grouped by configuration (one deployment each), rates ascending."""
@@ -110,6 +159,7 @@ class BenchPlan:
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
         data["slos"] = [str(s) for s in self.slos]
+        data["candidates"] = {c: list(specs) for c, specs in self.candidates}
         return data
 
     @classmethod
@@ -117,8 +167,10 @@ class BenchPlan:
         fields = dict(data)
         fields["workload"] = Workload(**fields["workload"])
         fields["slos"] = tuple(SLO.parse(s) for s in fields["slos"])
-        for key in ("configs", "rates", "seeds", "chunk_candidates"):
-            fields[key] = tuple(fields[key])
+        fields["candidates"] = tuple((c, tuple(specs)) for c, specs in fields.get("candidates", {}).items())
+        fields.pop("chunk_candidates", None)  # plans written before per-configuration tuning
+        for key in ("configs", "rates", "seeds", "rate_fractions"):
+            fields[key] = tuple(fields.get(key, ()))
         return cls(**fields)
 
     def save(self, path: Path) -> None:

@@ -30,17 +30,17 @@ def _attainment(plan: BenchPlan, runs, slo, out_dir: Path) -> Path | None:
         if cv is None:
             continue
         rates = [r.rate for r in cv.rates]
-        means = [r.attainment.mean for r in cv.rates]
+        means = [r.attainment.fraction for r in cv.rates]
         (line,) = ax.plot(rates, means, marker="o", label=f"{config} (goodput {cv.goodput})")
-        ax.fill_between(rates, [max(0.0, r.attainment.low) for r in cv.rates],
-                        [min(1.0, r.attainment.high) for r in cv.rates], color=line.get_color(), alpha=0.15)
+        ax.fill_between(rates, [r.ci.low for r in cv.rates], [r.ci.high for r in cv.rates],
+                        color=line.get_color(), alpha=0.15)
         drawn = True
     if not drawn:
         plt.close(fig)
         return None
     ax.axhline(plan.target, color="grey", linestyle="--", linewidth=1)
     ax.set(xlabel="offered rate (req/s)", ylabel="SLO attainment", ylim=(-0.02, 1.02),
-           title=f"SLO {slo}  (band: 95 % CI over seeds)")
+           title=f"SLO {slo}  (band: Wilson 95 % CI, pooled scored requests)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     path = out_dir / f"attainment_{_slug(slo.name)}.png"
@@ -71,7 +71,7 @@ def _distributions(plan: BenchPlan, runs, out_dir: Path) -> Path | None:
         ax.set(xlabel=label, ylabel="fraction of requests (CDF)", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Per-request latency distributions at {rate:g} req/s (all seeds pooled)")
+    fig.suptitle(f"Per-request latency distributions at {rate:g} req/s (scored requests, all seeds pooled)")
     path = out_dir / f"distributions_r{rate:g}.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -34,6 +34,10 @@ class RequestRecord:
         """Mean inter-chunk gap; 0 for a request with a single chunk (as vLLM treats TPOT)."""
         return statistics.fmean(self.itl_ms) if self.itl_ms else 0.0
 
+    def short_of(self, requested_len: int) -> bool:
+        """Finished without error yet produced fewer than ``requested_len`` tokens."""
+        return not self.failed and self.output_len < requested_len
+
     @property
     def max_gap_ms(self) -> float:
         return max(self.itl_ms, default=0.0)
@@ -58,6 +62,10 @@ class BenchRun:
     @property
     def num_failed(self) -> int:
         return sum(r.failed for r in self.records)
+
+    def num_short(self, requested_len: int) -> int:
+        """Requests that did not reach their requested output length (without failing)."""
+        return sum(r.short_of(requested_len) for r in self.records)
 
 
 def records_from_bench(data: dict) -> tuple[RequestRecord, ...]:

@@ -1,4 +1,4 @@
-"""The Markdown report of a results directory: headline table, goodput, curves, latencies."""
+"""The Markdown report of a results directory: setup, headline table, goodput, curves, latencies."""
 
 from __future__ import annotations
 
@@ -8,29 +8,40 @@ from pathlib import Path
 from typing import Sequence
 
 from pdserve.bench.attainment import Verdict
+from pdserve.bench.budget import PLAIN_CONFIGS
+from pdserve.bench.calibrate import Calibration
+from pdserve.bench.comparison import BLOCK_REQUESTS, Comparison, compare
 from pdserve.bench.goodput import Bound, ratio
 from pdserve.bench.plan import BenchPlan, Point
 from pdserve.bench.records import BenchRun
-from pdserve.bench.summary import Curve, curve, latency
-
-BASELINES = ("round-robin", "collocated", "chunked", "nixl")
+from pdserve.bench.stats import CONFIDENCE, NUM_RESAMPLES, Interval
+from pdserve.bench.summary import Curve, curve, latency, window
+from pdserve.bench.tune import OBJECTIVE, TuneLog
 
 GOODPUT_RULES = """\
 Goodput (DistServe): the highest offered rate at which at least {target:.0%} of requests meet the SLO,
-computed on the seed-mean attainment curve. Rates are walked upwards; the value is linearly
-interpolated between the last passing rate and the first failing one (the point where the line
-between them crosses {target:.0%}); the last passing measured rate is shown as "step". If every
+computed on the attainment curve of the scored requests pooled over seeds. Rates are walked upwards; the
+value is linearly interpolated between the last passing rate and the first failing one (the point where
+the line between them crosses {target:.0%}); the last passing measured rate is shown as "step". If every
 rate passes, goodput is the highest rate and a lower bound (≥). If the lowest rate already fails,
-goodput is 0 and only known to be below the lowest rate ("<r (0)"); no attainment is assumed
-below the measured range. A rate that passes again above the first failure is ignored and marked
-(non-monotonic). Attainment counts every request sent, failed ones as misses; a request meets an
-SLO when each bound holds strictly (TTFT < limit, mean inter-chunk gap < limit, max gap < limit).
-Attainment is the mean over arrival seeds with a 95 % t-distribution confidence interval.
+goodput is 0 and only known to be below the lowest rate ("<r (0)"); a ratio over such a goodput is a
+lower bound "≥ g" with g = numerator / lowest rate. A rate that passes again above the first failure
+is ignored and marked (non-monotonic). Attainment counts every scored request, failed ones as misses;
+a request meets an SLO when each bound holds strictly (TTFT < limit, mean inter-chunk gap < limit,
+max gap < limit).
+
+Statistics: attainment intervals are Wilson {conf:.0%} intervals of the pooled scored requests
+(scipy.stats.binomtest). Goodput and ratio intervals are {conf:.0%} percentile-bootstrap intervals
+(scipy.stats.bootstrap, {resamples} resamples) over blocks of {block} consecutive scored requests of
+every seed; the same blocks are drawn for every configuration and rate, since every configuration got
+the same request stream, so each ratio's interval is that of a paired comparison.
 """
 
 
-def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path,
-                 notes: Sequence[str] = (), plots: Sequence[Path] = ()) -> str:
+def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path, notes: Sequence[str] = (),
+                 plots: Sequence[Path] = (), calibration: Calibration | None = None, tune_log: TuneLog | None = None,
+                 added_slos: Sequence[str] = (), rate_fractions: Sequence[float] = (),
+                 headline_fraction: float | None = None) -> str:
     """Render the report for the points measured so far, write it to ``path``, return the text."""
     curves = {(c, slo.name): cv for c in plan.configs for slo in plan.slos
               if (cv := curve(plan, runs, c, slo)) is not None}
@@ -40,17 +51,23 @@ def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path,
     if missing:
         lines += [f"**Incomplete: {len(missing)} of {len(plan.points())} points not measured** "
                   f"({', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}).", ""]
+    lines += ["## Setup", ""] + [f"- {item}" for item in _setup_items(plan, calibration, tune_log, rate_fractions,
+                                                                       headline_fraction, runs)] + [""]
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     for slo in plan.slos:
-        lines += _headline(plan, curves, slo.name, str(slo))
-        lines += _goodput(plan, curves, slo.name)
+        comparison = compare(plan, runs, slo)
+        added = slo.name in added_slos
+        lines += [f"## SLO `{slo}`" + (" (added after the run, with --report-only)" if added else ""), ""]
+        lines += _headline(plan, curves, slo.name)
+        lines += _goodput(plan, curves, slo.name, comparison)
         lines += _curves(plan, curves, slo.name)
     lines += _latencies(plan, runs)
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{p.stem}]({p.relative_to(path.parent).as_posix()})" for p in plots] + [""]
-    lines += ["## Definitions", "", GOODPUT_RULES.format(target=plan.target)]
+    lines += ["## Definitions", "", GOODPUT_RULES.format(target=plan.target, conf=CONFIDENCE,
+                                                         resamples=NUM_RESAMPLES, block=BLOCK_REQUESTS)]
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
@@ -58,18 +75,50 @@ def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path,
 
 def _setup(plan: BenchPlan) -> str:
     w = plan.workload
-    return (f"Model `{plan.model}`; random dataset ISL {w.input_len} / OSL {w.output_len} (--ignore-eos, "
-            f"temperature 0), {w.num_prompts} requests per point, arrivals gamma burstiness {w.burstiness:g} "
-            f"(1 = Poisson); rates {', '.join(f'{r:g}' for r in sorted(plan.rates))} req/s; "
-            f"arrival seeds {', '.join(map(str, plan.seeds))} (same in every configuration); "
+    kind = (f"shared-prefix ({w.num_prefixes} prefixes of {w.prefix_len} tokens, prefix caching on)"
+            if w.kind == "shared-prefix" else "random-token prompts")
+    return (f"Model `{plan.model}`; {kind}, ISL {w.input_len} / OSL {w.output_len} (--ignore-eos, temperature 0), "
+            f"{w.num_prompts} requests per point, arrivals gamma burstiness {w.burstiness:g} (1 = Poisson); "
+            f"rates {', '.join(f'{r:g}' for r in sorted(plan.rates))} req/s; arrival seeds "
+            f"{', '.join(map(str, plan.seeds))} (the same stream in every configuration and, scaled, at every rate); "
             f"configurations: {', '.join(plan.configs)}.")
 
 
-def _headline(plan: BenchPlan, curves: dict, slo_name: str, slo_text: str) -> list[str]:
+def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: TuneLog | None,
+                 rate_fractions: Sequence[float], headline_fraction: float | None,
+                 runs: dict[Point, BenchRun]) -> list[str]:
+    items = []
+    if calibration is not None:
+        items.append(calibration.describe())
+    if rate_fractions:
+        items.append(f"Rates: {', '.join(f'{f:g}' for f in rate_fractions)} x the estimated capacity; headline "
+                     f"rate {headline_fraction:g} x capacity.")
+    sizes = [len(window(plan, s)) for s in plan.seeds]
+    items.append(f"Scored: the steady window of each point, the requests arriving between "
+                 f"{plan.warmup_fraction:.0%} and {1 - plan.cooldown_fraction:.0%} of the arrival span "
+                 f"(warm-up from an empty system and the drain after the last arrivals are sent but not scored): "
+                 f"{', '.join(map(str, sizes))} of {plan.workload.num_prompts} requests per seed, the same "
+                 f"requests at every rate and in every configuration.")
+    tuned = [d for c in plan.configs if tune_log and (d := tune_log.describe(c))]
+    if tuned:
+        items.append(f"Tuning (same procedure for every tuned configuration, tuning stream at "
+                     f"{tune_log.rate:g} req/s, SLO `{tune_log.slo}`; objective: {OBJECTIVE}; attainment per "
+                     f"candidate in parentheses, details in tune.json): " + "; ".join(tuned) + ".")
+    untuned = [c for c in plan.configs if not plan.budgets(c)]
+    if untuned:
+        chunked = f" (chunked: {plan.chunked_tokens})" if "chunked" in untuned else ""
+        items.append(f"Not tuned, vLLM's default budget{chunked}: {', '.join(untuned)}.")
+    short = sum(run.num_short(plan.workload.output_len) for run in runs.values())
+    total = sum(len(run.records) for run in runs.values())
+    items.append(f"Output length: {short} of {total} requests finished short of the requested "
+                 f"{plan.workload.output_len} tokens.")
+    return items
+
+
+def _headline(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
     rate = plan.headline
-    lines = [f"## SLO `{slo_text}`", "",
-             f"### Requests meeting the SLO at {rate:g} req/s (cf. MoRIIO blog Table 3)", "",
-             "| configuration | met / sent | attainment (95 % CI) | main cause of misses | misses: TTFT / ITL / both / failed |",
+    lines = [f"### Requests meeting the SLO at {rate:g} req/s (cf. MoRIIO blog Table 3)", "",
+             "| configuration | met / scored | attainment (95 % CI) | main cause of misses | misses: TTFT / ITL / both / failed |",
              "|---|---|---|---|---|"]
     for config in plan.configs:
         point = curves.get((config, slo_name))
@@ -80,45 +129,62 @@ def _headline(plan: BenchPlan, curves: dict, slo_name: str, slo_text: str) -> li
         m = at.misses
         cause = at.main_miss_cause.value if at.main_miss_cause else "—"
         lines.append(
-            f"| {config} | {at.num_met} / {at.num_requests} | {_ci(at.attainment)} | {cause} | "
+            f"| {config} | {at.num_met} / {at.num_requests} | {_attainment(at)} | {cause} | "
             f"{m.get(Verdict.TTFT, 0)} / {m.get(Verdict.ITL, 0)} / {m.get(Verdict.BOTH, 0)} / {m.get(Verdict.FAILED, 0)} |")
     return lines + [""]
 
 
-def _goodput(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
-    bases = [b for b in BASELINES if (b, slo_name) in curves]
-    head = ["configuration", "goodput (req/s)", "step", "per seed", *(f"÷ {b}" for b in bases)]
+def best_plain(plan: BenchPlan, curves: dict, slo_name: str) -> str | None:
+    """The plain configuration with the highest goodput under this SLO (first listed on ties)."""
+    plain = [c for c in plan.configs if c in PLAIN_CONFIGS and (c, slo_name) in curves]
+    return max(plain, key=lambda c: curves[(c, slo_name)].goodput.value, default=None)
+
+
+def _goodput(plan: BenchPlan, curves: dict, slo_name: str, comparison: Comparison | None) -> list[str]:
+    best = best_plain(plan, curves, slo_name)
+    bases = [c for c in plan.configs if c in PLAIN_CONFIGS and (c, slo_name) in curves]
+    head = ["configuration", "goodput (req/s) [95 % CI]", "step", "per seed",
+            *([f"÷ best plain ({best})"] if best and len(bases) > 1 else []), *(f"÷ {b}" for b in bases)]
+    columns = ([best] if best and len(bases) > 1 else []) + bases
     lines = [f"### Goodput (≥ {plan.target:.0%} attainment)", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for config in plan.configs:
         cv: Curve | None = curves.get((config, slo_name))
         if cv is None:
-            lines.append(f"| {config} | not measured | | |" + " |" * len(bases))
+            lines.append(f"| {config} | not measured | | |" + " |" * len(columns))
             continue
         g = cv.goodput
         flag = " (non-monotonic)" if g.non_monotonic else ""
+        ci = comparison.goodput_ci.get(config) if comparison else None
         step = f"{g.step:g}" if g.bound is not Bound.UPPER else "—"
         seeds = ", ".join(str(s) for s in cv.seed_goodputs)
-        ratios = ["—" if b == config else ratio(g, curves[(b, slo_name)].goodput) for b in bases]
-        lines.append("| " + " | ".join([config, f"{g}{flag}", step, seeds, *ratios]) + " |")
+        cells = []
+        for base in columns:
+            if base == config:
+                cells.append("—")
+                continue
+            text = str(ratio(g, curves[(base, slo_name)].goodput))
+            pair_ci = comparison.ratio_ci.get((config, base)) if comparison else None
+            cells.append(text + (f" {pair_ci}" if pair_ci and text != "n/a" else ""))
+        lines.append("| " + " | ".join([config, f"{g}{flag}" + (f" {ci}" if ci else ""), step, seeds, *cells]) + " |")
     return lines + [""]
 
 
 def _curves(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
     rates = sorted(plan.rates)
-    lines = ["### Attainment per rate (seed mean ± 95 % CI)", "",
+    lines = ["### Attainment per rate (pooled scored requests, Wilson 95 % CI)", "",
              "| configuration | " + " | ".join(f"{r:g}" for r in rates) + " |", "|---|" + "---|" * len(rates)]
     for config in plan.configs:
         cv = curves.get((config, slo_name))
-        cells = [(_ci(at.attainment) if (at := cv.at(r)) else "") if cv else "" for r in rates]
+        cells = [(_attainment(at) if (at := cv.at(r)) else "") if cv else "" for r in rates]
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
 def _latencies(plan: BenchPlan, runs: dict[Point, BenchRun]) -> list[str]:
-    lines = ["## Latency per rate (ms, pooled over seeds, successful requests)", "",
-             "| configuration | rate | TTFT p50/p90 | mean ITL p50/p90 | max gap p50/p90 | failed | req/s | out tok/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["## Latency per rate (ms, scored requests pooled over seeds, successful ones)", "",
+             "| configuration | rate | TTFT p50/p90 | mean ITL p50/p90 | max gap p50/p90 | failed | short | req/s | out tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for config in plan.configs:
         for rate in sorted(plan.rates):
             lat = latency(plan, runs, config, rate)
@@ -127,14 +193,14 @@ def _latencies(plan: BenchPlan, runs: dict[Point, BenchRun]) -> list[str]:
             lines.append(
                 f"| {config} | {rate:g} | {_ms(lat.ttft_p50)}/{_ms(lat.ttft_p90)} | "
                 f"{_ms(lat.mean_itl_p50, 1)}/{_ms(lat.mean_itl_p90, 1)} | {_ms(lat.max_gap_p50)}/{_ms(lat.max_gap_p90)} | "
-                f"{lat.num_failed}/{lat.num_requests} | {lat.request_throughput:.2f} | {lat.output_throughput:.0f} |")
+                f"{lat.num_failed}/{lat.num_requests} | {lat.num_short} | {lat.request_throughput:.2f} | "
+                f"{lat.output_throughput:.0f} |")
     return lines + [""]
 
 
-def _ci(ci) -> str:
-    if ci.half_width is None:
-        return f"{ci.mean:.2f}"
-    return f"{ci.mean:.2f} [{max(0.0, ci.low):.2f}, {min(1.0, ci.high):.2f}]"
+def _attainment(at) -> str:
+    ci: Interval | None = at.ci
+    return f"{at.attainment.fraction:.2f}" + (f" {ci}" if ci else "")
 
 
 def _ms(value: float, digits: int = 0) -> str:

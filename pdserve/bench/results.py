@@ -4,7 +4,9 @@
     <dir>/raw/<config>/r<rate>_s<seed>.json   vllm bench serve --save-detailed output, untouched
     <dir>/traces/r<rate>_s<seed>.jsonl   the request stream replayed at that point
     <dir>/logs/<config>/...              bench client and deployment logs
-    <dir>/tune.json                      chunk-size tuning of the `chunked` config
+    <dir>/calibration.json               machine, measured step times, capacity (places the rates)
+    <dir>/tune.json                      budget tuning of every tuned configuration
+    <dir>/raw/tune/<config>/<budget>.json   the tuning points
     <dir>/notes.json                     setup notes the report repeats (tuning, workarounds)
     <dir>/report.md, summary.json, plots/*.png
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.bench.calibrate import Calibration
 from pdserve.bench.plan import BenchPlan, Point
 from pdserve.bench.records import BenchRun, load_bench_run
 from pdserve.errors import ConfigError
@@ -33,6 +36,16 @@ class ResultsDir:
     @property
     def tune_path(self) -> Path:
         return self.root / "tune.json"
+
+    @property
+    def calibration_path(self) -> Path:
+        return self.root / "calibration.json"
+
+    def calibration(self) -> Calibration | None:
+        """The stored calibration, if the run got that far."""
+        if not self.calibration_path.exists():
+            return None
+        return Calibration.from_json(self.calibration_path.read_text())
 
     @property
     def notes_path(self) -> Path:

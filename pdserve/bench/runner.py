@@ -1,20 +1,29 @@
-"""The sweep: configurations x rates x seeds, one deployment at a time, resumable.
+"""The sweep: calibrate, tune, then configurations x rates x seeds, one deployment at a time, resumable.
 
-For each configuration with unmeasured points: bring it up through the deployer, warm it up,
-run its missing points in rate order, tear it down; then the next configuration on the same
-cores. A point's raw result is written only when complete, so an interrupted run resumes at the
-first missing point (``pdserve bench --resume --out DIR``). The report and plots are rewritten
-after every configuration, marked incomplete until all points are in.
+1. Calibration (plans whose rates are fractions of capacity): a `collocated` deployment with
+   vLLM's defaults is measured (calibrate.py) and the rate grid placed; calibration.json keeps it.
+   Work that needs exactly that deployment (collocated's `default` tuning trial, or its points
+   when it is not tuned) is done before it goes down.
+2. Per configuration: each tuning candidate is deployed and sent the tuning stream (tune.py);
+   the chosen budget goes to tune.json. Then the configuration is deployed with it, warmed up,
+   and its missing points are run in rate order.
+
+A point's raw result is written only when complete, so an interrupted run resumes at the first
+missing point. The report and plots are rewritten after every configuration, marked incomplete
+until all points are in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 from pdserve.bench import tune
+from pdserve.bench.budget import Budget
+from pdserve.bench.calibrate import Calibration, calibrate, vocab_size
 from pdserve.bench.deployment import Deployer, DeploymentRequest, Endpoint, check_available
 from pdserve.bench.loadgen import BenchCommand, run_bench
 from pdserve.bench.plan import BenchPlan, Point
@@ -26,10 +35,41 @@ from pdserve.bench.results import ResultsDir
 from pdserve.bench.warmup import warm_up
 from pdserve.errors import PDServeError
 
-STARTUP_ESTIMATE_S = 75.0  # deployment up + warm-up, for the progress estimate only
-POINT_OVERHEAD_S = 15.0  # bench client start (~10 s import) and drain
+STARTUP_ESTIMATE_S = 75.0  # deployment up + warm-up, for estimates only
+POINT_OVERHEAD_S = 20.0  # bench client start (~10-20 s of imports on 2 busy cores) and drain
+CALIBRATION_S = 30.0
+ASSUMED_CAPACITY = 4.0  # req/s: the estimate before a calibration exists
 
 BenchFn = Callable[..., None]
+CalibrateFn = Callable[[Endpoint, BenchPlan, Path], Calibration]
+
+
+def _calibrate(endpoint: Endpoint, plan: BenchPlan, model_dir: Path) -> Calibration:
+    return calibrate(endpoint, plan.workload, vocab_size(model_dir))
+
+
+def default_budget(plan: BenchPlan, config: str) -> Budget:
+    """The budget of a configuration that is not tuned."""
+    return Budget(plan.chunked_tokens) if config == "chunked" else Budget()
+
+
+def estimate_s(plan: BenchPlan, capacity: float = ASSUMED_CAPACITY) -> float:
+    """Expected wall time of the whole plan from scratch (calibration, tuning, every point)."""
+    resolved = plan.resolved(capacity)
+    point = lambda rate: resolved.workload.num_prompts / rate + POINT_OVERHEAD_S  # noqa: E731
+    total = sum(point(p.rate) for p in resolved.points()) + STARTUP_ESTIMATE_S * len(plan.configs)
+    total += sum(len(resolved.budgets(c)) * (STARTUP_ESTIMATE_S + point(resolved.headline)) for c in plan.configs)
+    if plan.calibrated:
+        total += STARTUP_ESTIMATE_S + CALIBRATION_S
+    return total
+
+
+def resolve_stored(plan: BenchPlan, results: ResultsDir) -> BenchPlan | None:
+    """The plan with its rates placed (from calibration.json); None if not calibrated yet."""
+    if not plan.calibrated:
+        return plan
+    calibration = results.calibration()
+    return plan.resolved(calibration.capacity) if calibration else None
 
 
 @dataclass
@@ -42,6 +82,7 @@ class Runner:
     warm: Callable[[Endpoint, BenchPlan], None] = field(
         default=lambda endpoint, plan: warm_up(endpoint, plan.workload, plan.warmup_prompts))
     notes: list[str] = field(default_factory=list)
+    calibrate: CalibrateFn = _calibrate
 
     def run(self, progress: Progress | None = None) -> Path:
         """Measure every missing point, then write the report; returns the report's path.
@@ -50,16 +91,20 @@ class Runner:
         others; the report is written anyway and PDServeError is raised at the end.
         """
         check_available(self.deployer, self.plan.configs)
-        todo = [p for p in self.plan.points() if not self.results.is_done(p)]
-        progress = progress or Progress(self.estimate_s(todo), len(todo))
+        known = self.results.calibration()
+        guess = self.plan.resolved(known.capacity if known else ASSUMED_CAPACITY)
+        todo = [p for p in guess.points() if not (known and self.results.is_done(p))]
+        progress = progress or Progress(estimate_s(self.plan, known.capacity if known else ASSUMED_CAPACITY),
+                                        len(todo))
+        plan = self._resolve(progress)
         failures = []
-        for config in self.plan.configs:
-            points = [p for p in todo if p.config == config]
-            if not points:
-                continue
+        for config in plan.configs:
             try:  # a failing configuration does not stop the others; a re-run retries it
-                extra = ("--max-num-batched-tokens", str(self._chunk_budget(progress))) if config == "chunked" else ()
-                self._measure(config, points, extra, progress)
+                budget = self._tuned(plan, config, progress)
+                points = [p for p in plan.points() if p.config == config and not self.results.is_done(p)]
+                if points:
+                    with self._deployment(plan, config, budget, self.results.log_dir(config), progress) as endpoint:
+                        self._points(plan, endpoint, points, progress)
             except PDServeError as exc:
                 failures.append(f"{config}: {exc}")
                 progress.event(f"{config} FAILED: {exc}")
@@ -70,80 +115,121 @@ class Runner:
             raise PDServeError(f"{len(failures)} configuration(s) failed (re-run to retry): " + "; ".join(failures))
         return report
 
-    def estimate_s(self, todo: list[Point]) -> float:
-        configs = {p.config for p in todo}
-        work = sum(self._point_s(p.rate) for p in todo) + STARTUP_ESTIMATE_S * len(configs)
-        if "chunked" in configs and not self.results.tune_path.exists():
-            work += len(self.plan.chunk_candidates) * (STARTUP_ESTIMATE_S + self._point_s(self.plan.headline))
-        return work
-
     def write_report(self) -> Path:
-        notes = [*self.notes, *filter(None, [self._chunk_note()])]
-        self.results.notes_path.write_text(json.dumps(notes, indent=2) + "\n")
+        self.results.notes_path.write_text(json.dumps(self.notes, indent=2) + "\n")
         return publish(self.plan, self.results)
 
-    def _point_s(self, rate: float) -> float:
-        return self.plan.workload.num_prompts / rate + POINT_OVERHEAD_S
+    # -- calibration --------------------------------------------------------------------------
 
-    def _measure(self, config: str, points: list[Point], extra: tuple[str, ...], progress: Progress) -> None:
-        progress.event(f"{config}: starting deployment")
-        request = DeploymentRequest(config, self.model_dir, self.results.log_dir(config), extra)
+    def _resolve(self, progress: Progress) -> BenchPlan:
+        stored = resolve_stored(self.plan, self.results)
+        if stored is not None:
+            return stored
+        with self._deployment(self.plan, "collocated", Budget(), self.results.log_dir("calibration"),
+                              progress) as endpoint:
+            progress.event("calibrating on collocated (vLLM defaults)")
+            calibration = self.calibrate(endpoint, self.plan, self.model_dir)
+            self.results.calibration_path.write_text(calibration.to_json())
+            plan = self.plan.resolved(calibration.capacity)
+            progress.event(f"capacity {calibration.capacity:.2f} req/s: rates {', '.join(f'{r:g}' for r in plan.rates)}")
+            self._reuse_calibration_deployment(plan, endpoint, progress)
+        return plan
+
+    def _reuse_calibration_deployment(self, plan: BenchPlan, endpoint: Endpoint, progress: Progress) -> None:
+        """Collocated work with vLLM's defaults, done on the calibration deployment."""
+        if "collocated" not in plan.configs:
+            return
+        budgets = plan.budgets("collocated")
+        if not budgets:
+            points = [p for p in plan.points() if p.config == "collocated" and not self.results.is_done(p)]
+            self._points(plan, endpoint, points, progress)
+        elif Budget() in budgets and not self._trial_path("collocated", Budget()).exists():
+            self._trial_point(plan, endpoint, "collocated", Budget(), progress)
+
+    # -- tuning -------------------------------------------------------------------------------
+
+    def _tuned(self, plan: BenchPlan, config: str, progress: Progress) -> Budget:
+        budgets = plan.budgets(config)
+        if not budgets:
+            return default_budget(plan, config)
+        log = self._tune_log(plan)
+        chosen = log.chosen(config)
+        if chosen is not None:
+            return chosen
+        trials = []
+        for budget in budgets:
+            if not self._trial_path(config, budget).exists():
+                log_dir = self.results.log_dir("tune") / f"{config}_{_slug(budget)}"
+                with self._deployment(plan, config, budget, log_dir, progress) as endpoint:
+                    self._trial_point(plan, endpoint, config, budget, progress)
+            trials.append(tune.trial(plan, budget, load_bench_run(self._trial_path(config, budget))))
+        best = tune.choose(trials)
+        self.results.tune_path.write_text(log.with_config(config, trials, best).to_json())
+        progress.event(f"{config}: tuned budget {best.budget}")
+        return Budget.parse(best.budget)
+
+    def _tune_log(self, plan: BenchPlan) -> tune.TuneLog:
+        path = self.results.tune_path
+        if path.exists():
+            return tune.TuneLog.from_json(path.read_text())
+        return tune.TuneLog(plan.headline, plan.tuning_slo.name, {})
+
+    def _trial_path(self, config: str, budget: Budget) -> Path:
+        return self.results.root / "raw" / "tune" / config / f"{_slug(budget)}.json"
+
+    def _trial_point(self, plan: BenchPlan, endpoint: Endpoint, config: str, budget: Budget,
+                     progress: Progress) -> None:
+        progress.event(f"tuning {config}: budget {budget} @ {plan.headline:g} req/s")
+        trace = self.results.root / "traces" / f"tune_r{plan.headline:g}.jsonl"
+        command = BenchCommand(endpoint.base_url, endpoint.model_name, self.model_dir, plan.workload,
+                               plan.headline, tune.TUNE_SEED, self._trial_path(config, budget), trace)
+        self.bench(command, self.results.log_dir("tune") / f"bench_{config}_{_slug(budget)}.log", tick=progress.tick)
+        progress.finish_work(STARTUP_ESTIMATE_S + self._point_s(plan, plan.headline))
+
+    # -- measuring ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _deployment(self, plan: BenchPlan, config: str, budget: Budget, log_dir: Path,
+                    progress: Progress) -> Iterator[Endpoint]:
+        progress.event(f"{config} (budget {budget}): starting deployment")
+        request = DeploymentRequest(config, self.model_dir, log_dir, budget, plan.workload.prefix_caching)
         with self.deployer.up(request) as endpoint:
             progress.event(f"{config}: warming up")
-            self.warm(endpoint, self.plan)
-            progress.finish_work(STARTUP_ESTIMATE_S)
-            for point in points:
-                progress.event(f"{config} @ {point.rate:g} req/s, seed {point.seed}")
-                command = BenchCommand(endpoint.base_url, endpoint.model_name, self.model_dir, self.plan.workload,
-                                       point.rate, point.seed, self.results.raw_path(point),
-                                       self.results.trace_path(point))
-                self.bench(command, self.results.log_dir(config) / f"bench_r{point.rate:g}_s{point.seed}.log",
-                           tick=progress.tick)
-                progress.finish_point(self._point_s(point.rate))
+            self.warm(endpoint, plan)
+            yield endpoint
 
-    def _chunk_budget(self, progress: Progress) -> int:
-        """The chunked configuration's token budget: tuned once (tune.json), else the plan's value."""
-        if not self.plan.chunk_candidates:
-            return self.plan.chunked_tokens
-        if not self.results.tune_path.exists():
-            trials = [self._chunk_trial(budget, progress) for budget in self.plan.chunk_candidates]
-            self.results.tune_path.write_text(tune.to_json(trials, tune.choose(self.plan, trials)))
-        return tune.chosen_from_json(self.results.tune_path.read_text())
+    def _points(self, plan: BenchPlan, endpoint: Endpoint, points: Sequence[Point], progress: Progress) -> None:
+        progress.finish_work(STARTUP_ESTIMATE_S)
+        for point in points:
+            progress.event(f"{point.config} @ {point.rate:g} req/s, seed {point.seed}")
+            command = BenchCommand(endpoint.base_url, endpoint.model_name, self.model_dir, plan.workload,
+                                   point.rate, point.seed, self.results.raw_path(point),
+                                   self.results.trace_path(point))
+            self.bench(command, self.results.log_dir(point.config) / f"bench_r{point.rate:g}_s{point.seed}.log",
+                       tick=progress.tick)
+            progress.finish_point(self._point_s(plan, point.rate))
 
-    def _chunk_note(self) -> str | None:
-        if "chunked" not in self.plan.configs:
-            return None
-        if not self.plan.chunk_candidates:
-            return f"chunked: --max-num-batched-tokens {self.plan.chunked_tokens} (fixed by the plan)."
-        if not self.results.tune_path.exists():
-            return None
-        chosen = tune.chosen_from_json(self.results.tune_path.read_text())
-        return (f"chunked: --max-num-batched-tokens {chosen}, tuned over {list(self.plan.chunk_candidates)} at "
-                f"{self.plan.headline:g} req/s (least p90 max gap among budgets keeping TTFT attainment >= "
-                f"{self.plan.target:.0%}; trials in tune.json).")
-
-    def _chunk_trial(self, budget: int, progress: Progress) -> tune.ChunkTrial:
-        name = f"chunk{budget}"
-        raw = self.results.root / "raw" / "tune" / f"{name}.json"
-        if not raw.exists():
-            progress.event(f"tuning chunked: --max-num-batched-tokens {budget}")
-            log_dir = self.results.log_dir("tune")
-            request = DeploymentRequest("chunked", self.model_dir, log_dir / name,
-                                        ("--max-num-batched-tokens", str(budget)))
-            with self.deployer.up(request) as endpoint:
-                self.warm(endpoint, self.plan)
-                command = BenchCommand(endpoint.base_url, endpoint.model_name, self.model_dir, self.plan.workload,
-                                       self.plan.headline, tune.TUNE_SEED, raw,
-                                       raw.with_suffix(".trace.jsonl"))
-                self.bench(command, log_dir / f"bench_{name}.log", tick=progress.tick)
-        progress.finish_work(STARTUP_ESTIMATE_S + self._point_s(self.plan.headline))
-        return tune.trial(self.plan, budget, load_bench_run(raw))
+    def _point_s(self, plan: BenchPlan, rate: float) -> float:
+        return plan.workload.num_prompts / rate + POINT_OVERHEAD_S
 
 
-def publish(plan: BenchPlan, results: ResultsDir) -> Path:
-    """(Re)write plots and report from whatever points ``results`` holds; returns the report path."""
-    runs = results.load(plan)
+def publish(plan: BenchPlan, results: ResultsDir, added_slos: Sequence[str] = ()) -> Path:
+    """(Re)write plots and report from whatever points ``results`` holds; returns the report path.
+
+    ``added_slos``: names of SLOs evaluated after the run (--report-only --slo), marked as such."""
+    resolved = resolve_stored(plan, results)
     notes = json.loads(results.notes_path.read_text()) if results.notes_path.exists() else []
-    plots = write_plots(plan, runs, results.plots_dir)
-    write_report(plan, runs, results.report_path, notes=notes, plots=plots)
+    if resolved is None:
+        results.report_path.write_text("# pdserve bench report\n\nNot calibrated yet: nothing measured.\n")
+        return results.report_path
+    runs = results.load(resolved)
+    tune_log = tune.TuneLog.from_json(results.tune_path.read_text()) if results.tune_path.exists() else None
+    plots = write_plots(resolved, runs, results.plots_dir)
+    write_report(resolved, runs, results.report_path, notes=notes, plots=plots, calibration=results.calibration(),
+                 tune_log=tune_log, added_slos=added_slos, rate_fractions=plan.rate_fractions,
+                 headline_fraction=plan.headline_rate if plan.calibrated else None)
     return results.report_path
+
+
+def _slug(budget: Budget) -> str:
+    return str(budget).replace("/", "-")

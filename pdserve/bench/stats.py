@@ -1,71 +1,86 @@
-"""Small statistics without scipy: mean with a t-distribution confidence interval, percentiles."""
+"""Statistics the report uses, from scipy and numpy: binomial CIs, percentiles, the block bootstrap.
+
+* Attainment at a rate is a proportion of pooled requests: Wilson score interval
+  (``scipy.stats.binomtest(...).proportion_ci(method="wilson")``).
+* Goodputs and goodput ratios are functions of whole attainment curves: percentile bootstrap
+  (``scipy.stats.bootstrap``) over blocks of consecutive requests, so that the correlation of
+  neighbours in one queue stays inside a block. Resampling the same blocks for every
+  configuration and rate is what makes a comparison *paired*: every configuration received the
+  same request stream (arrivals.py), so block b is the same requests everywhere.
+"""
 
 from __future__ import annotations
 
 import math
-import statistics
+import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
-# Two-sided 95 % Student-t quantiles t(0.975, df), df = 1..30.
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-_Z975 = 1.959964
+import numpy as np
+from scipy import stats
 
-
-def t_quantile_975(df: int) -> float:
-    """t(0.975, df); beyond the table a Cornish-Fisher expansion (error < 1e-3 for df > 30)."""
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+CONFIDENCE = 0.95
+NUM_RESAMPLES = 1000
+BOOTSTRAP_SEED = 20261201  # the report is reproducible
 
 
 @dataclass(frozen=True)
-class MeanCI:
-    """Mean over repeats with a 95 % confidence interval; ``half_width`` is None for one sample."""
+class Interval:
+    """A two-sided confidence interval."""
 
-    mean: float
-    half_width: float | None
-    num_samples: int
-
-    @property
-    def low(self) -> float:
-        return self.mean - (self.half_width or 0.0)
-
-    @property
-    def high(self) -> float:
-        return self.mean + (self.half_width or 0.0)
+    low: float
+    high: float
 
     def __str__(self) -> str:
-        if self.half_width is None:
-            return f"{self.mean:.2f}"
-        return f"{self.mean:.2f} ± {self.half_width:.2f}"
+        return f"[{_num(self.low)}, {_num(self.high)}]"
 
 
-def mean_ci95(samples: Sequence[float]) -> MeanCI:
-    """Mean ± t(0.975, n-1) · s / sqrt(n), s the sample standard deviation."""
-    if not samples:
-        raise ValueError("mean_ci95 needs at least one sample")
-    n = len(samples)
-    mean = statistics.fmean(samples)
-    if n == 1:
-        return MeanCI(mean, None, 1)
-    half = t_quantile_975(n - 1) * statistics.stdev(samples) / math.sqrt(n)
-    return MeanCI(mean, half, n)
+@dataclass(frozen=True)
+class Proportion:
+    """``num_met`` of ``num`` with its Wilson interval (None for no requests)."""
+
+    num_met: int
+    num: int
+
+    @property
+    def fraction(self) -> float:
+        return self.num_met / self.num if self.num else 0.0
+
+    @property
+    def ci(self) -> Interval | None:
+        return wilson(self.num_met, self.num)
+
+
+def wilson(num_met: int, num: int, confidence: float = CONFIDENCE) -> Interval | None:
+    """Wilson score interval of a binomial proportion; None when ``num`` is 0."""
+    if num == 0:
+        return None
+    ci = stats.binomtest(num_met, num).proportion_ci(confidence_level=confidence, method="wilson")
+    return Interval(float(ci.low), float(ci.high))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    """numpy's linear-interpolated percentile, q in [0, 100]; NaN for no values."""
+    return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def bootstrap_blocks(num_blocks: int, statistic: Callable[[np.ndarray], np.ndarray],
+                     num_resamples: int = NUM_RESAMPLES, confidence: float = CONFIDENCE) -> list[Interval]:
+    """Percentile-bootstrap intervals of each entry of ``statistic(block_indices)``.
+
+    ``statistic`` receives an array of ``num_blocks`` block indices drawn with replacement and
+    returns a vector; one interval per entry (NaN bounds where the statistic was undefined)."""
+    if num_blocks < 2:
+        raise ValueError("a bootstrap needs at least two blocks")
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)  # a constant statistic is fine
+        result = stats.bootstrap((np.arange(num_blocks),), statistic, vectorized=False, paired=False,
+                                 n_resamples=num_resamples, confidence_level=confidence, method="percentile",
+                                 rng=np.random.default_rng(BOOTSTRAP_SEED))
+    lows = np.atleast_1d(result.confidence_interval.low)
+    highs = np.atleast_1d(result.confidence_interval.high)
+    return [Interval(float(lo), float(hi)) for lo, hi in zip(lows, highs)]
+
+
+def _num(value: float) -> str:
+    return "n/a" if math.isnan(value) else ("∞" if math.isinf(value) else f"{value:.2f}")

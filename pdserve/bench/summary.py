@@ -1,25 +1,46 @@
-"""Per-configuration, per-rate, per-SLO numbers derived from the measured points."""
+"""Per-configuration, per-rate, per-SLO numbers derived from the measured points.
+
+Only the steady window of each point is scored (``scored``): the requests arriving after the
+plan's warm-up fraction and before its cool-down fraction of the arrival span (arrivals.py). The
+same positions are scored at every rate and in every configuration.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Sequence
 
+from pdserve.bench.arrivals import steady_window
 from pdserve.bench.attainment import Attainment, Verdict, attainment
 from pdserve.bench.goodput import Goodput, goodput
 from pdserve.bench.plan import BenchPlan, Point
 from pdserve.bench.records import BenchRun, RequestRecord
 from pdserve.bench.slo import SLO
-from pdserve.bench.stats import MeanCI, mean_ci95, percentile
+from pdserve.bench.stats import Interval, Proportion, percentile
+from pdserve.errors import ConfigError
+
+
+def window(plan: BenchPlan, seed: int) -> range:
+    """Positions scored in every point of ``seed``."""
+    w = plan.workload
+    return steady_window(seed, w.num_prompts, w.burstiness, plan.warmup_fraction, plan.cooldown_fraction)
+
+
+def scored(plan: BenchPlan, seed: int, records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """The steady-window requests of one point (records in arrival order)."""
+    if len(records) != plan.workload.num_prompts:
+        raise ConfigError(f"a point of seed {seed} holds {len(records)} requests, the plan sends "
+                          f"{plan.workload.num_prompts}")
+    return [records[i] for i in window(plan, seed)]
 
 
 @dataclass(frozen=True)
 class RateResult:
-    """One configuration at one rate against one SLO, over the seeds measured there."""
+    """One configuration at one rate against one SLO: the scored requests of every seed, pooled."""
 
     rate: float
     per_seed: tuple[Attainment, ...]
-    attainment: MeanCI  # mean fraction over seeds with its 95 % CI
 
     @property
     def num_requests(self) -> int:
@@ -28,6 +49,15 @@ class RateResult:
     @property
     def num_met(self) -> int:
         return sum(a.num_met for a in self.per_seed)
+
+    @property
+    def attainment(self) -> Proportion:
+        return Proportion(self.num_met, self.num_requests)
+
+    @property
+    def ci(self) -> Interval | None:
+        """Wilson 95 % interval of the pooled attainment."""
+        return self.attainment.ci
 
     @property
     def misses(self) -> dict[Verdict, int]:
@@ -48,7 +78,7 @@ class Curve:
     config: str
     slo: SLO
     rates: tuple[RateResult, ...]
-    goodput: Goodput  # of the seed-mean curve
+    goodput: Goodput  # of the pooled curve
     seed_goodputs: tuple[Goodput, ...]  # the same computed on each seed's own curve
 
     def at(self, rate: float) -> RateResult | None:
@@ -57,54 +87,52 @@ class Curve:
 
 @dataclass(frozen=True)
 class Latency:
-    """Pooled per-request latency percentiles (ms) of one configuration at one rate."""
+    """Pooled per-request latency percentiles (ms) of one configuration at one rate (scored requests)."""
 
     num_requests: int
     num_failed: int
+    num_short: int  # finished without error but with fewer tokens than requested
     ttft_p50: float
     ttft_p90: float
     mean_itl_p50: float
     mean_itl_p90: float
     max_gap_p50: float
     max_gap_p90: float
-    request_throughput: float  # mean over seeds, req/s
-    output_throughput: float  # mean over seeds, tok/s
+    request_throughput: float  # mean over seeds, req/s (whole point)
+    output_throughput: float  # mean over seeds, tok/s (whole point)
 
 
 def curve(plan: BenchPlan, runs: dict[Point, BenchRun], config: str, slo: SLO) -> Curve | None:
     """The curve over the rates measured so far; None when the configuration has no points yet."""
     results = []
     for rate in sorted(plan.rates):
-        per_seed = tuple(
-            attainment(runs[p].records, slo)
-            for p in (Point(config, rate, s) for s in plan.seeds)
-            if p in runs
-        )
+        per_seed = tuple(attainment(scored(plan, p.seed, runs[p].records), slo)
+                         for p in (Point(config, rate, s) for s in plan.seeds) if p in runs)
         if per_seed:
-            results.append(RateResult(rate, per_seed, mean_ci95([a.fraction for a in per_seed])))
+            results.append(RateResult(rate, per_seed))
     if not results:
         return None
     rates = [r.rate for r in results]
-    mean_curve = goodput(rates, [r.attainment.mean for r in results], plan.target)
+    pooled = goodput(rates, [r.attainment.fraction for r in results], plan.target)
     seed_curves = []
     for seed in plan.seeds:
-        pts = [(rate, attainment(runs[Point(config, rate, seed)].records, slo).fraction)
-               for rate in rates if Point(config, rate, seed) in runs]
+        pts = [(rate, attainment(scored(plan, seed, runs[p].records), slo).fraction)
+               for rate in rates if (p := Point(config, rate, seed)) in runs]
         if pts:
             seed_curves.append(goodput([r for r, _ in pts], [a for _, a in pts], plan.target))
-    return Curve(config, slo, tuple(results), mean_curve, tuple(seed_curves))
+    return Curve(config, slo, tuple(results), pooled, tuple(seed_curves))
 
 
 def records_at(plan: BenchPlan, runs: dict[Point, BenchRun], config: str, rate: float) -> list[RequestRecord]:
-    """All requests of ``config`` at ``rate``, pooled over seeds."""
-    return [r for s in plan.seeds if (p := Point(config, rate, s)) in runs for r in runs[p].records]
+    """The scored requests of ``config`` at ``rate``, pooled over seeds."""
+    return [r for s in plan.seeds if (p := Point(config, rate, s)) in runs for r in scored(plan, s, runs[p].records)]
 
 
 def latency(plan: BenchPlan, runs: dict[Point, BenchRun], config: str, rate: float) -> Latency | None:
     seed_runs = [runs[p] for s in plan.seeds if (p := Point(config, rate, s)) in runs]
     if not seed_runs:
         return None
-    records = [r for run in seed_runs for r in run.records]
+    records = records_at(plan, runs, config, rate)
     ok = [r for r in records if not r.failed]
     ttft = [r.ttft_ms for r in ok]
     mean_itl = [r.mean_itl_ms for r in ok]
@@ -113,6 +141,7 @@ def latency(plan: BenchPlan, runs: dict[Point, BenchRun], config: str, rate: flo
     return Latency(
         num_requests=len(records),
         num_failed=len(records) - len(ok),
+        num_short=sum(1 for run in seed_runs for r in run.records if r.short_of(plan.workload.output_len)),
         ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90),
         mean_itl_p50=percentile(mean_itl, 50), mean_itl_p90=percentile(mean_itl, 90),
         max_gap_p50=percentile(max_gap, 50), max_gap_p90=percentile(max_gap, 90),

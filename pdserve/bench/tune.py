@@ -1,61 +1,91 @@
-"""Tuning the `chunked` configuration's --max-num-batched-tokens.
+"""The same tuning procedure for every configuration: its token budgets (budget.py).
 
-Each candidate budget runs round-robin at the headline rate with one arrival seed (prompts
-distinct from every measured point). The chosen budget minimises the p90 of per-request max
-inter-chunk gap among candidates that keep TTFT attainment (TTFT < the first SLO's TTFT limit)
-at or above the plan's target; if none does, the best TTFT attainment wins. Results are kept in
-tune.json so a resumed run does not tune again.
+Each candidate of a configuration is deployed and sent one point: the tuning stream (seed
+``TUNE_SEED``, prompts distinct from every measured point, the same stream for every candidate
+and every configuration) at the plan's headline rate. The objective, scored on the steady window
+like every measured point: the highest attainment of the tuning SLO (the plan's ``tune_slo``,
+else its first); ties go to the higher mean attainment over all the plan's SLOs, then to the
+lower p90 TTFT. Trials and choices are kept in tune.json, so a resumed run does not tune again.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from pdserve.bench.attainment import attainment
+from pdserve.bench.budget import Budget
 from pdserve.bench.plan import BenchPlan
 from pdserve.bench.records import BenchRun
-from pdserve.bench.slo import Metric
 from pdserve.bench.stats import percentile
+from pdserve.bench.summary import scored
 
 TUNE_SEED = 900_000  # one stream for every candidate; never a measured point's seed
+OBJECTIVE = ("highest steady-window attainment of the tuning SLO at the tuning rate (ties: higher mean "
+             "attainment over all SLOs, then lower p90 TTFT)")
 
 
 @dataclass(frozen=True)
-class ChunkTrial:
-    max_num_batched_tokens: int
-    max_gap_p90_ms: float
+class Trial:
+    budget: str  # Budget spec
+    attainment: float  # of the tuning SLO
+    mean_attainment: float  # over all SLOs
     ttft_p90_ms: float
-    ttft_attainment: float
+    max_gap_p90_ms: float
+    num_scored: int
 
 
-def ttft_limit(plan: BenchPlan) -> float:
-    limits = [lim for slo in plan.slos if (lim := slo.limit(Metric.TTFT)) is not None]
-    return limits[0] if limits else float("inf")
-
-
-def trial(plan: BenchPlan, budget: int, run: BenchRun) -> ChunkTrial:
-    ok = [r for r in run.records if not r.failed]
-    limit = ttft_limit(plan)
-    within = sum(1 for r in ok if r.ttft_ms < limit)
-    return ChunkTrial(
-        max_num_batched_tokens=budget,
-        max_gap_p90_ms=percentile([r.max_gap_ms for r in ok], 90),
+def trial(plan: BenchPlan, budget: Budget, run: BenchRun) -> Trial:
+    records = scored(plan, TUNE_SEED, run.records)
+    ok = [r for r in records if not r.failed]
+    return Trial(
+        budget=str(budget),
+        attainment=attainment(records, plan.tuning_slo).fraction,
+        mean_attainment=statistics.fmean(attainment(records, slo).fraction for slo in plan.slos),
         ttft_p90_ms=percentile([r.ttft_ms for r in ok], 90),
-        ttft_attainment=within / len(run.records) if run.records else 0.0,
+        max_gap_p90_ms=percentile([r.max_gap_ms for r in ok], 90),
+        num_scored=len(records),
     )
 
 
-def choose(plan: BenchPlan, trials: Sequence[ChunkTrial]) -> ChunkTrial:
-    keeping = [t for t in trials if t.ttft_attainment >= plan.target]
-    if keeping:
-        return min(keeping, key=lambda t: (t.max_gap_p90_ms, t.max_num_batched_tokens))
-    return max(trials, key=lambda t: (t.ttft_attainment, -t.max_gap_p90_ms))
+def choose(trials: Sequence[Trial]) -> Trial:
+    def key(t: Trial):
+        ttft = t.ttft_p90_ms if t.ttft_p90_ms == t.ttft_p90_ms else float("inf")  # NaN: nothing succeeded
+        return (t.attainment, t.mean_attainment, -ttft)
+
+    return max(trials, key=key)
 
 
-def to_json(trials: Sequence[ChunkTrial], chosen: ChunkTrial) -> str:
-    return json.dumps({"trials": [asdict(t) for t in trials], "chosen": chosen.max_num_batched_tokens}, indent=2)
+@dataclass(frozen=True)
+class TuneLog:
+    """tune.json: the objective, the tuning point, and per configuration its trials and choice."""
 
+    rate: float
+    slo: str
+    configs: dict[str, dict]  # config -> {"trials": [Trial as dict], "chosen": spec}
 
-def chosen_from_json(text: str) -> int:
-    return int(json.loads(text)["chosen"])
+    def chosen(self, config: str) -> Budget | None:
+        entry = self.configs.get(config)
+        return Budget.parse(entry["chosen"]) if entry else None
+
+    def with_config(self, config: str, trials: Sequence[Trial], chosen: Trial) -> "TuneLog":
+        entry = {"trials": [asdict(t) for t in trials], "chosen": chosen.budget}
+        return TuneLog(self.rate, self.slo, {**self.configs, config: entry})
+
+    def to_json(self) -> str:
+        return json.dumps({"objective": OBJECTIVE, "seed": TUNE_SEED, "rate": self.rate, "slo": self.slo,
+                           "configs": self.configs}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "TuneLog":
+        data = json.loads(text)
+        return cls(float(data["rate"]), str(data["slo"]), dict(data["configs"]))
+
+    def describe(self, config: str) -> str | None:
+        entry = self.configs.get(config)
+        if entry is None:
+            return None
+        trials = ", ".join(f"{t['budget']}: {t['attainment']:.2f}" for t in entry["trials"])
+        return f"{config}: budget {entry['chosen']} (tried {trials})"

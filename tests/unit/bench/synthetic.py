@@ -18,6 +18,8 @@ def plan(**over) -> BenchPlan:
         slos=(SLO.parse("blog:ttft<1000,mean_itl<50"), SLO.parse("stall:ttft<1000,max_gap<100")),
         model="tiny",
         headline_rate=2.0,
+        warmup_fraction=0.0,  # score every request unless a test asks for a window
+        cooldown_fraction=0.0,
     )
     fields.update(over)
     return BenchPlan(**fields)

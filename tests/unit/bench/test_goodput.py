@@ -49,11 +49,14 @@ def test_rejects_mismatched_input():
         goodput([], [])
 
 
-def test_ratio_text():
+def test_ratio_text_is_one_sided_where_a_bound_makes_it_so():
     exact = Goodput(2.0, 2.0, Bound.EXACT)
-    assert ratio(Goodput(3.0, 3.0, Bound.EXACT), exact) == "1.50"
-    assert ratio(Goodput(3.0, 3.0, Bound.LOWER), exact) == "≥1.50"
-    assert ratio(exact, Goodput(4.0, 4.0, Bound.LOWER)) == "≤0.50"
-    assert ratio(exact, Goodput(0.0, 0.0, Bound.UPPER, lowest_rate=1.0)) == "∞"
-    assert ratio(Goodput(0.0, 0.0, Bound.UPPER, lowest_rate=1.0), exact) == "<0.50"
-    assert ratio(Goodput(0.0, 0.0, Bound.UPPER), Goodput(0.0, 0.0, Bound.UPPER)) == "n/a"
+    assert str(ratio(Goodput(3.0, 3.0, Bound.EXACT), exact)) == "1.50"
+    assert str(ratio(Goodput(3.0, 3.0, Bound.LOWER), exact)) == "≥1.50"
+    assert str(ratio(exact, Goodput(4.0, 4.0, Bound.LOWER))) == "≤0.50"
+    assert str(ratio(Goodput(3.0, 3.0, Bound.LOWER), Goodput(4.0, 4.0, Bound.LOWER))) == "~0.75"
+    # a denominator below the lowest rate (1.3) makes the ratio a lower bound 2.0 / 1.3, never infinite
+    below = Goodput(0.0, 0.0, Bound.UPPER, lowest_rate=1.3)
+    assert str(ratio(exact, below)) == "≥1.54" and ratio(exact, below).value == pytest.approx(2.0 / 1.3)
+    assert str(ratio(Goodput(0.0, 0.0, Bound.UPPER, lowest_rate=1.0), exact)) == "≤0.50"
+    assert str(ratio(Goodput(0.0, 0.0, Bound.UPPER), Goodput(0.0, 0.0, Bound.UPPER))) == "n/a"

@@ -59,3 +59,17 @@ def test_point_done_only_when_raw_file_reads_back(tmp_path):
     synthetic.write(results.raw_path(point), synthetic.point_data(3, 0))
     assert results.is_done(point)
     assert list(results.load(plan)) == [point]
+
+
+def test_rate_fractions_resolve_against_the_capacity_independently_of_their_order():
+    plan = synthetic.plan(rates=(), rate_fractions=(1.0, 0.5), headline_rate=0.5)
+    assert plan.calibrated
+    resolved = plan.resolved(3.0)
+    assert resolved.rates == (1.5, 3.0) and resolved.headline == 1.5 and not resolved.calibrated
+    assert BenchPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ConfigError, match="not both"):
+        synthetic.plan(rate_fractions=(0.5,))
+    with pytest.raises(ConfigError, match="too small"):
+        synthetic.plan(rates=(), rate_fractions=(0.001, 0.002)).resolved(1.0)
+    with pytest.raises(ConfigError, match="window"):
+        synthetic.plan(warmup_fraction=0.5, cooldown_fraction=0.5)

@@ -60,3 +60,13 @@ def test_record_is_frozen():
     record = RequestRecord(ttft_ms=1.0, itl_ms=(), failed=False)
     with pytest.raises(AttributeError):
         record.ttft_ms = 2.0
+
+
+def test_outputs_short_of_the_requested_length_are_counted():
+    from pdserve.bench.records import BenchRun
+    from tests.unit.bench import synthetic
+
+    data = synthetic.bench_json([100.0, 100.0, 100.0], [[20.0, 20.0, 20.0], [20.0], [20.0, 20.0, 20.0]], failed={2})
+    run = BenchRun(records_from_bench(data), 1.0, 1.0, 1.0)
+    # output lengths 4, 2 and a failure: one short of 4 tokens (the failure counts as failed, not short)
+    assert run.num_short(4) == 1 and run.num_short(2) == 0 and run.num_failed == 1

@@ -22,7 +22,7 @@ class FakeDeployer:
 
     @contextlib.contextmanager
     def up(self, request):
-        self.log.append(("up", request.config, request.extra_vllm_args))
+        self.log.append(("up", request.config, request.budget))
         try:
             yield Endpoint("http://127.0.0.1:1", "m")
         finally:
@@ -101,30 +101,66 @@ def test_unavailable_configuration_is_an_error_before_anything_starts(tmp_path, 
     check_available(FakeDeployer(), plan.configs)
 
 
-def test_chunked_is_tuned_once_and_uses_the_chosen_budget(tmp_path, no_plots):
-    plan = synthetic.plan(configs=("chunked",), chunk_candidates=(128, 256))
+def test_every_tuned_configuration_gets_the_same_procedure_and_its_chosen_budget(tmp_path, no_plots):
+    plan = synthetic.plan(configs=("round-robin", "write"),
+                          candidates=(("round-robin", ("default", "256")), ("write", ("default", "512/256"))))
     deployer = FakeDeployer()
+    streams = []
 
     def bench(command, log_path, tick):
-        # budget 128: small gaps; 256: big gaps -> 128 wins (both keep TTFT)
-        budget = command.seed - 900_000
-        data = synthetic.point_data(met_n=10, ttft_n=0) if budget != 256 else synthetic.point_data(met_n=0, ttft_n=0, stalled_n=10)
+        if "tune" in command.result_path.parts:
+            streams.append((command.seed, command.rate, command.trace_path))
+            # 256 / 512-256 meet the SLO, vLLM's default misses it on TTFT
+            good = command.result_path.stem != "default"
+            data = synthetic.point_data(met_n=10, ttft_n=0) if good else synthetic.point_data(met_n=2, ttft_n=8)
+        else:
+            data = synthetic.point_data(met_n=10, ttft_n=0)
         synthetic.write(command.result_path, data)
 
     runner, progress = make(tmp_path, plan, deployer, bench)
     runner.run(progress)
-    ups = [e for e in deployer.log if e[0] == "up"]
-    assert [u[2] for u in ups] == [("--max-num-batched-tokens", "128"), ("--max-num-batched-tokens", "256"),
-                                   ("--max-num-batched-tokens", "128")]
+    ups = [(e[1], str(e[2])) for e in deployer.log if e[0] == "up"]
+    assert ups == [("round-robin", "default"), ("round-robin", "256"), ("round-robin", "256"),
+                   ("write", "default"), ("write", "512/256"), ("write", "512/256")]
+    assert len(set(streams)) == 1 and len(streams) == 4  # one tuning stream for every candidate and configuration
     tuned = json.loads((tmp_path / "run" / "tune.json").read_text())
-    assert tuned["chosen"] == 128 and len(tuned["trials"]) == 2
-    assert "--max-num-batched-tokens 128, tuned over [128, 256]" in (tmp_path / "run" / "report.md").read_text()
-    # resumed with everything done: no deployment, no tuning, the note stays in the report
+    assert tuned["configs"]["round-robin"]["chosen"] == "256" and tuned["configs"]["write"]["chosen"] == "512/256"
+    assert tuned["rate"] == plan.headline and "objective" in tuned
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "round-robin: budget 256 (tried default: 0.20, 256: 1.00)" in report
+    # resumed with everything done: no deployment, no tuning, the tuning stays in the report
     deployer = FakeDeployer()
     runner, progress = make(tmp_path, plan, deployer, bench)
     runner.run(progress)
     assert deployer.log == []
-    assert "--max-num-batched-tokens 128, tuned over [128, 256]" in (tmp_path / "run" / "report.md").read_text()
+    assert "write: budget 512/256" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_calibration_places_the_rates_and_its_deployment_measures_untuned_collocated(tmp_path, no_plots):
+    from pdserve.bench.calibrate import Calibration, Machine
+
+    plan = synthetic.plan(rates=(), rate_fractions=(0.5, 1.0), headline_rate=1.0)
+    calls = []
+
+    def calibrate(endpoint, plan_, model_dir):
+        calls.append(endpoint)
+        # capacity 1 / (0.1 + 4 x 0.02 / 8) = 1 / 0.11 = 9.09 req/s
+        return Calibration(Machine("Test CPU", 2, 2, "3.11"), "collocated", 64, 4, 100.0, 10.0, 20.0, 8)
+
+    deployer, bench = FakeDeployer(), FakeBench()
+    runner, progress = make(tmp_path, plan, deployer, bench)
+    runner.calibrate = calibrate
+    runner.run(progress)
+    assert len(calls) == 1
+    assert sorted({c.rate for c in bench.commands}) == [4.55, 9.09]
+    assert [e[:2] for e in deployer.log if e[0] == "up"] == [("up", "collocated"), ("up", "round-robin")]
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "Test CPU, 2 usable of 2 CPUs" in report and "9.09 req/s" in report
+    assert "Rates: 0.5, 1 x the estimated capacity" in report
+    runner, progress = make(tmp_path, plan, FakeDeployer(), FakeBench())
+    runner.calibrate = calibrate
+    runner.run(progress)
+    assert len(calls) == 1  # stored in calibration.json
 
 
 def test_a_failing_configuration_does_not_stop_the_others(tmp_path, no_plots):

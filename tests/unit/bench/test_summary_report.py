@@ -44,9 +44,9 @@ def test_curve_attainment_ci_and_goodput(measured):
     col = curve(plan, runs, "collocated", blog)
     at2 = col.at(2.0)
     assert [a.num_met for a in at2.per_seed] == [10, 8]
-    assert at2.attainment.mean == pytest.approx(0.9)
-    # s = sqrt(2)*0.1/ sqrt(1)... values 1.0, 0.8: s = 0.141421, half = 12.706*0.141421/sqrt(2) = 1.2706
-    assert at2.attainment.half_width == pytest.approx(1.2706, abs=1e-4)
+    assert at2.attainment.fraction == pytest.approx(0.9)
+    # pooled 18 of 20, Wilson: centre (0.9 + z²/40) / (1 + z²/20) = 0.8356, half-width 0.1366
+    assert (at2.ci.low, at2.ci.high) == pytest.approx((0.6990, 0.9721), abs=1e-4)
     assert at2.misses == {Verdict.TTFT: 1, Verdict.FAILED: 1}
     # collocated passes at 2.0 (0.9), fails at 3.0 (0.5): exactly 2.0
     assert col.goodput.value == pytest.approx(2.0) and col.goodput.bound is Bound.EXACT
@@ -77,10 +77,14 @@ def test_report_and_plots(measured):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
     text = write_report(plan, runs, results.report_path, notes=["a note"], plots=plots)
     assert results.report_path.read_text() == text
-    assert "| collocated | 18 / 20 | 0.90 [0.00, 1.00] | failed | 1 / 0 / 0 / 1 |" in text
-    assert "| round-robin | 16 / 20 | 0.80" in text
-    # goodput row with ratio to round-robin: 2.0 / 1.5 = 1.33
-    assert "| collocated | 2.00 | 2 | 2.25, 1.50 | 1.33 | — |" in text
+    assert "| collocated | 18 / 20 | 0.90 [0.70, 0.97] | failed | 1 / 0 / 0 / 1 |" in text
+    assert "| round-robin | 16 / 20 | 0.80 [0.58, 0.92]" in text
+    # goodput row: best plain is collocated (2.0 > 1.5); ratio to round-robin 2.0 / 1.5 = 1.33, bootstrap CIs
+    row = next(line for line in text.splitlines() if line.startswith("| collocated | 2.00 ["))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[2:4] == ["2", "2.25, 1.50"] and cells[4] == "—" and cells[5] == "—"
+    assert cells[6].startswith("1.33 [")
+    assert "÷ best plain (collocated)" in text and "Wilson" in text
     assert "![attainment_blog](plots/attainment_blog.png)" in text
     assert "Incomplete" not in text and "- a note" in text
 
@@ -100,6 +104,26 @@ def test_goodput_table_without_baselines_has_consistent_columns(measured, tmp_pa
     renamed = dataclasses.replace(plan, configs=("collocated",))
     only = {p: r for p, r in runs.items() if p.config == "collocated"}
     text = write_report(renamed, only, tmp_path / "one.md")
-    rows = [line for line in text.splitlines() if line.startswith("| collocated | 2.00")]
+    rows = [line for line in text.splitlines() if line.startswith("| collocated | 2.00 [")]
     header = next(line for line in text.splitlines() if line.startswith("| configuration | goodput"))
     assert rows and all(row.count("|") == header.count("|") for row in rows)
+
+
+def test_only_the_steady_window_is_scored(tmp_path):
+    import dataclasses
+
+    from pdserve.bench.arrivals import steady_window
+    from pdserve.bench.plan import Point
+
+    plan = dataclasses.replace(synthetic.plan(configs=("collocated",), rates=(1.0,), seeds=(1,)),
+                               warmup_fraction=0.3, cooldown_fraction=0.2)
+    scored = steady_window(1, 10, 1.0, 0.3, 0.2)
+    assert 0 < scored.start and scored.stop < 10
+    # requests outside the window meet the SLO, the scored ones all miss on TTFT
+    ttfts = [100.0 if i not in scored else 1500.0 for i in range(10)]
+    results = ResultsDir(tmp_path)
+    synthetic.write(results.raw_path(Point("collocated", 1.0, 1)), synthetic.bench_json(ttfts, [[20.0, 20.0]] * 10))
+    runs = results.load(plan)
+    at = curve(plan, runs, "collocated", plan.slos[0]).at(1.0)
+    assert at.num_requests == len(scored) and at.num_met == 0
+    assert latency(plan, runs, "collocated", 1.0).ttft_p50 == 1500.0

@@ -1,0 +1,47 @@
+"""Per-role token budgets (vLLM --max-num-batched-tokens) of one deployment, as tuning candidates.
+
+Written ``default`` (vLLM's own, 2048 on CPU), ``256`` (every instance; for PD modes the prefill
+instance) or ``512/256`` (prefill instance / decode instance, PD modes only; with adaptive placement
+the decode budget is the chunk in which decode prefills a prompt itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.errors import ConfigError
+
+PLAIN_CONFIGS = ("collocated", "round-robin", "chunked")  # every instance prefills and decodes
+PD_CONFIGS = ("write", "read", "nixl", "adaptive")  # a prefill instance and a decode instance
+
+
+@dataclass(frozen=True)
+class Budget:
+    prefill: int | None = None  # plain configurations: every instance
+    decode: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "Budget":
+        parts = [p.strip() for p in spec.strip().split("/")]
+        if len(parts) > 2 or not all(parts):
+            raise ConfigError(f"budget {spec!r} is not default, TOKENS or PREFILL/DECODE (e.g. 512/256)")
+        values = [None if p == "default" else _tokens(p, spec) for p in parts]
+        return cls(values[0], values[1] if len(values) == 2 else None)
+
+    def check(self, config: str) -> None:
+        if config in PLAIN_CONFIGS and self.decode is not None:
+            raise ConfigError(f"{config} has no decode instance: budget {self} names one")
+
+    def __str__(self) -> str:
+        text = "default" if self.prefill is None else str(self.prefill)
+        return text if self.decode is None else f"{text}/{self.decode}"
+
+
+def _tokens(text: str, spec: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"budget {spec!r}: {text!r} is not a token count") from None
+    if not 16 <= value <= 1 << 20:
+        raise ConfigError(f"budget {spec!r}: {value} is not a token count in 16..{1 << 20}")
+    return value
