@@ -20,6 +20,7 @@ from pdserve.errors import ConfigError
 SECRET_FILE_ENV = "PDSERVE_SECRET_FILE"
 FAULT_PLAN_ENV = "PDSERVE_FAULT_PLAN"  # test-only: path of a fault plan (pdserve/faults)
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+TRANSPORTS = ("auto", "shm", "nixl")  # auto: shm for a peer proven on this host, NIXL otherwise
 _HOST_NAME = re.compile(r"^(?=.*[A-Za-z])[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
 
@@ -143,9 +144,9 @@ def parse_connector_config(
             "PDConnector needs a shared secret for its control plane: set "
             f"kv_connector_extra_config.secret_file or {SECRET_FILE_ENV}"
         )
-    transport = str(extra.get("transport", "shm"))
-    if transport != "shm":
-        raise ConfigError(f"unknown transport {transport!r} (available: shm)")
+    transport = str(extra.get("transport", "auto"))
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"unknown transport {transport!r} (available: {', '.join(TRANSPORTS)})")
     proxy_ip = extra.get("proxy_ip") or None
     proxy_port = extra.get("proxy_ping_port")
     if bool(proxy_ip) != bool(proxy_port):

@@ -168,7 +168,10 @@ class BenchPlan:
         fields["workload"] = Workload(**fields["workload"])
         fields["slos"] = tuple(SLO.parse(s) for s in fields["slos"])
         fields["candidates"] = tuple((c, tuple(specs)) for c, specs in fields.get("candidates", {}).items())
-        fields.pop("chunk_candidates", None)  # plans written before per-configuration tuning
+        if "chunk_candidates" in fields:  # a plan written before CRN streams and steady windows: score everything
+            fields.pop("chunk_candidates")
+            fields.setdefault("warmup_fraction", 0.0)
+            fields.setdefault("cooldown_fraction", 0.0)
         for key in ("configs", "rates", "seeds", "rate_fractions"):
             fields[key] = tuple(fields.get(key, ()))
         return cls(**fields)

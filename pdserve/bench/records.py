@@ -28,6 +28,7 @@ class RequestRecord:
     input_len: int = 0
     output_len: int = 0
     error: str = ""
+    start_s: float = float("nan")  # when the client sent it (its clock; only differences mean anything)
 
     @property
     def mean_itl_ms(self) -> float:
@@ -73,9 +74,10 @@ def records_from_bench(data: dict) -> tuple[RequestRecord, ...]:
     missing = [k for k in _DETAIL_KEYS if k not in data]
     if missing:
         raise ConfigError(f"bench result lacks {missing}: was it run with --save-detailed?")
-    rows = zip(data["ttfts"], data["itls"], data["errors"], data["output_lens"], data["input_lens"])
+    starts = data.get("start_times") or [None] * len(data["ttfts"])
+    rows = zip(data["ttfts"], data["itls"], data["errors"], data["output_lens"], data["input_lens"], starts)
     records = []
-    for ttft_s, itls_s, error, output_len, input_len in rows:
+    for ttft_s, itls_s, error, output_len, input_len, start_s in rows:
         failed = bool(error) or not output_len
         records.append(
             RequestRecord(
@@ -85,6 +87,7 @@ def records_from_bench(data: dict) -> tuple[RequestRecord, ...]:
                 input_len=int(input_len or 0),
                 output_len=int(output_len or 0),
                 error=(error or "")[-500:],
+                start_s=float("nan") if start_s is None else float(start_s),
             )
         )
     return tuple(records)

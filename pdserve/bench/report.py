@@ -94,11 +94,14 @@ def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: Tun
         items.append(f"Rates: {', '.join(f'{f:g}' for f in rate_fractions)} x the estimated capacity; headline "
                      f"rate {headline_fraction:g} x capacity.")
     sizes = [len(window(plan, s)) for s in plan.seeds]
-    items.append(f"Scored: the steady window of each point, the requests arriving between "
-                 f"{plan.warmup_fraction:.0%} and {1 - plan.cooldown_fraction:.0%} of the arrival span "
-                 f"(warm-up from an empty system and the drain after the last arrivals are sent but not scored): "
-                 f"{', '.join(map(str, sizes))} of {plan.workload.num_prompts} requests per seed, the same "
-                 f"requests at every rate and in every configuration.")
+    if plan.warmup_fraction == plan.cooldown_fraction == 0:
+        items.append("Scored: every request of each point (this plan has no steady window).")
+    else:
+        items.append(f"Scored: the steady window of each point, the requests arriving between "
+                     f"{plan.warmup_fraction:.0%} and {1 - plan.cooldown_fraction:.0%} of the arrival span "
+                     f"(the warm-up from an empty system and the drain after the last arrivals are sent but not "
+                     f"scored): {', '.join(map(str, sizes))} of {plan.workload.num_prompts} requests per seed, the "
+                     f"same requests at every rate and in every configuration.")
     tuned = [d for c in plan.configs if tune_log and (d := tune_log.describe(c))]
     if tuned:
         items.append(f"Tuning (same procedure for every tuned configuration, tuning stream at "
@@ -165,8 +168,9 @@ def _goodput(plan: BenchPlan, curves: dict, slo_name: str, comparison: Compariso
                 continue
             text = str(ratio(g, curves[(base, slo_name)].goodput))
             pair_ci = comparison.ratio_ci.get((config, base)) if comparison else None
-            cells.append(text + (f" {pair_ci}" if pair_ci and text != "n/a" else ""))
-        lines.append("| " + " | ".join([config, f"{g}{flag}" + (f" {ci}" if ci else ""), step, seeds, *cells]) + " |")
+            cells.append(text + (f" {pair_ci}" if _defined(pair_ci) and text != "n/a" else ""))
+        shown = f" {ci}" if _defined(ci) and g.bound is not Bound.UPPER else ""
+        lines.append("| " + " | ".join([config, f"{g}{flag}{shown}", step, seeds, *cells]) + " |")
     return lines + [""]
 
 
@@ -183,8 +187,9 @@ def _curves(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
 
 def _latencies(plan: BenchPlan, runs: dict[Point, BenchRun]) -> list[str]:
     lines = ["## Latency per rate (ms, scored requests pooled over seeds, successful ones)", "",
-             "| configuration | rate | TTFT p50/p90 | mean ITL p50/p90 | max gap p50/p90 | failed | short | req/s | out tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Send lag: how late the bench client sent requests against the schedule (it shares the cores).", "",
+             "| configuration | rate | TTFT p50/p90 | mean ITL p50/p90 | max gap p50/p90 | failed | short | send lag p99 | req/s | out tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for config in plan.configs:
         for rate in sorted(plan.rates):
             lat = latency(plan, runs, config, rate)
@@ -193,9 +198,14 @@ def _latencies(plan: BenchPlan, runs: dict[Point, BenchRun]) -> list[str]:
             lines.append(
                 f"| {config} | {rate:g} | {_ms(lat.ttft_p50)}/{_ms(lat.ttft_p90)} | "
                 f"{_ms(lat.mean_itl_p50, 1)}/{_ms(lat.mean_itl_p90, 1)} | {_ms(lat.max_gap_p50)}/{_ms(lat.max_gap_p90)} | "
-                f"{lat.num_failed}/{lat.num_requests} | {lat.num_short} | {lat.request_throughput:.2f} | "
+                f"{lat.num_failed}/{lat.num_requests} | {lat.num_short} | {_ms(lat.send_lag_p99_ms)} | "
+                f"{lat.request_throughput:.2f} | "
                 f"{lat.output_throughput:.0f} |")
     return lines + [""]
+
+
+def _defined(ci: Interval | None) -> bool:
+    return ci is not None and not (math.isnan(ci.low) or math.isnan(ci.high))
 
 
 def _attainment(at) -> str:

@@ -33,7 +33,7 @@ from pdserve.bench.records import load_bench_run
 from pdserve.bench.report import write_report
 from pdserve.bench.results import ResultsDir
 from pdserve.bench.warmup import warm_up
-from pdserve.errors import PDServeError
+from pdserve.errors import ConfigError, PDServeError
 
 STARTUP_ESTIMATE_S = 75.0  # deployment up + warm-up, for estimates only
 POINT_OVERHEAD_S = 20.0  # bench client start (~10-20 s of imports on 2 busy cores) and drain
@@ -223,7 +223,12 @@ def publish(plan: BenchPlan, results: ResultsDir, added_slos: Sequence[str] = ()
         results.report_path.write_text("# pdserve bench report\n\nNot calibrated yet: nothing measured.\n")
         return results.report_path
     runs = results.load(resolved)
-    tune_log = tune.TuneLog.from_json(results.tune_path.read_text()) if results.tune_path.exists() else None
+    tune_log = None
+    if results.tune_path.exists():
+        try:
+            tune_log = tune.TuneLog.from_json(results.tune_path.read_text())
+        except ConfigError as exc:  # an older run's file: its notes describe the tuning
+            notes = [*notes, f"Tuning log not shown: {exc}"]
     plots = write_plots(resolved, runs, results.plots_dir)
     write_report(resolved, runs, results.report_path, notes=notes, plots=plots, calibration=results.calibration(),
                  tune_log=tune_log, added_slos=added_slos, rate_fractions=plan.rate_fractions,

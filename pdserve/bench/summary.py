@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from pdserve.bench.arrivals import steady_window
+from pdserve.bench.arrivals import arrival_times, steady_window
 from pdserve.bench.attainment import Attainment, Verdict, attainment
 from pdserve.bench.goodput import Goodput, goodput
 from pdserve.bench.plan import BenchPlan, Point
@@ -98,6 +98,7 @@ class Latency:
     mean_itl_p90: float
     max_gap_p50: float
     max_gap_p90: float
+    send_lag_p99_ms: float  # how late the client sent requests against the schedule (all requests)
     request_throughput: float  # mean over seeds, req/s (whole point)
     output_throughput: float  # mean over seeds, tok/s (whole point)
 
@@ -123,6 +124,16 @@ def curve(plan: BenchPlan, runs: dict[Point, BenchRun], config: str, slo: SLO) -
     return Curve(config, slo, tuple(results), pooled, tuple(seed_curves))
 
 
+def send_lags_ms(plan: BenchPlan, point: Point, run: BenchRun) -> list[float]:
+    """Per request: actual send time minus scheduled arrival, both relative to the first request."""
+    w = plan.workload
+    schedule = arrival_times(point.seed, w.num_prompts, point.rate, w.burstiness)
+    starts = [r.start_s for r in run.records]
+    if len(starts) != len(schedule) or any(s != s for s in starts):  # NaN: no start times recorded
+        return []
+    return [1000.0 * ((s - starts[0]) - t) for s, t in zip(starts, schedule)]
+
+
 def records_at(plan: BenchPlan, runs: dict[Point, BenchRun], config: str, rate: float) -> list[RequestRecord]:
     """The scored requests of ``config`` at ``rate``, pooled over seeds."""
     return [r for s in plan.seeds if (p := Point(config, rate, s)) in runs for r in scored(plan, s, runs[p].records)]
@@ -145,6 +156,8 @@ def latency(plan: BenchPlan, runs: dict[Point, BenchRun], config: str, rate: flo
         ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90),
         mean_itl_p50=percentile(mean_itl, 50), mean_itl_p90=percentile(mean_itl, 90),
         max_gap_p50=percentile(max_gap, 50), max_gap_p90=percentile(max_gap, 90),
+        send_lag_p99_ms=percentile([lag for s in plan.seeds if (p := Point(config, rate, s)) in runs
+                                    for lag in send_lags_ms(plan, p, runs[p])], 99),
         request_throughput=sum(r.request_throughput for r in seed_runs) / n,
         output_throughput=sum(r.output_throughput for r in seed_runs) / n,
     )

@@ -21,6 +21,7 @@ from pdserve.bench.plan import BenchPlan
 from pdserve.bench.records import BenchRun
 from pdserve.bench.stats import percentile
 from pdserve.bench.summary import scored
+from pdserve.errors import ConfigError
 
 TUNE_SEED = 900_000  # one stream for every candidate; never a measured point's seed
 OBJECTIVE = ("highest steady-window attainment of the tuning SLO at the tuning rate (ties: higher mean "
@@ -80,8 +81,11 @@ class TuneLog:
 
     @classmethod
     def from_json(cls, text: str) -> "TuneLog":
-        data = json.loads(text)
-        return cls(float(data["rate"]), str(data["slo"]), dict(data["configs"]))
+        try:
+            data = json.loads(text)
+            return cls(float(data["rate"]), str(data["slo"]), dict(data["configs"]))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"tune.json is not a tuning log of this version: {exc!r}") from exc
 
     def describe(self, config: str) -> str | None:
         entry = self.configs.get(config)

@@ -23,6 +23,7 @@ from pdserve.connector.layout import KvLayout
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
 from pdserve.transport.base import RegionDescriptor, Transport
+from pdserve.transport.nixl_auto import PeerRoute
 
 logger = logging.getLogger("pdserve.connector")
 
@@ -63,6 +64,7 @@ class HandshakeResult:
     regions: tuple[RegionDescriptor, ...] = ()
     layout: KvLayout | None = None
     error: str = ""
+    route: PeerRoute | None = None  # how to reach it (same host or NIXL), for a RoutedTransport
 
 
 class PeerTable:
@@ -130,7 +132,7 @@ class PeerTable:
             logger.error("pdserve: %s", result.error)
         else:
             peer.state, peer.incarnation, peer.layout = PeerState.READY, result.incarnation, result.layout
-            logger.info("pdserve: attached peer %s (%s)", peer.key, _where(peer.address))
+            logger.info("pdserve: attached peer %s (%s) over %s", peer.key, _where(peer.address), self._over(peer))
         return peer
 
     def _apply_refresh(self, peer: Peer, result: HandshakeResult) -> Peer:
@@ -149,7 +151,10 @@ class PeerTable:
         if result.error:
             return result
         try:
-            self._transport.attach_peer(result.incarnation.identity, list(result.regions))
+            if result.route is None:
+                self._transport.attach_peer(result.incarnation.identity, list(result.regions))
+            else:
+                self._transport.attach_peer(result.incarnation.identity, list(result.regions), result.route)
         except PDServeError as exc:
             return HandshakeResult(result.address, error=str(exc))
         except OSError as exc:
@@ -177,6 +182,10 @@ class PeerTable:
 
     def __len__(self) -> int:
         return len(self._peers)
+
+    def _over(self, peer: Peer) -> str:
+        transport_of = getattr(self._transport, "transport_of", None)
+        return (transport_of(peer.key) if transport_of is not None else None) or "shm"
 
     def _detach(self, peer: Peer) -> None:
         if peer.incarnation is not None:

@@ -34,6 +34,8 @@ from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
 from pdserve.faults import FaultPlan
 from pdserve.transport.base import RegionDescriptor
 from pdserve.transport.corrupt import CorruptingTransport
+from pdserve.transport.nixl_auto import PeerRoute, build_transport
+from pdserve.transport.nixl_host import HostClaim, HostProof, verify
 from pdserve.transport.shared_segment import sweep_stale_segments
 from pdserve.transport.shm import ShmTransport
 from pdserve.transport.shm_tensor import move_tensors_to_shared_memory
@@ -54,7 +56,9 @@ class PDWorker:
         self._faults = FaultPlan.load(config.test_fault_plan, config.role.value)
         shm = ShmTransport()
         self._faults.install_copy_hook(shm)
-        self._transport = CorruptingTransport(shm) if config.test_corrupt_transfers else shm
+        self._transport = build_transport(config.transport, CorruptingTransport(shm) if config.test_corrupt_transfers
+                                          else shm, self.identity, config.transfer_timeout)
+        self._host_proof = HostProof(self._token)
         self._client = Client(self._codec)
         self._model_fingerprint = model_fingerprint
         self._fingerprint: dict = {}
@@ -128,6 +132,7 @@ class PDWorker:
                 self.identity, self._fingerprint,
                 [d.to_wire() for d in self._transport.local_descriptors()], self._layout.to_wire(),
                 self.incarnation.pid, self.incarnation.start_time, self.incarnation.boot_id,
+                self._transport.local_endpoint(), *self._host_proof.claim,
             )
         if isinstance(message, Ping):
             return Pong()
@@ -158,8 +163,11 @@ class PDWorker:
                 raise IncompatiblePeerError(f"peer {where} has {len(layout.layers)} KV layers, we have {len(self._layout.layers)}")
         except PDServeError as exc:
             return HandshakeResult(address, error=str(exc))
-        incarnation = Incarnation(reply.engine_id, reply.pid, reply.start_time, reply.boot_id)
-        return HandshakeResult(address, incarnation, regions, layout)
+        not_here = verify(HostClaim(reply.host_proof, reply.host_proof_digest))
+        route = PeerRoute(not_here is None, reply.nixl_metadata, not_here or "")
+        # pid and boot id prove a death only to a peer that shares our host (and PID namespace)
+        incarnation = Incarnation(reply.engine_id, reply.pid, reply.start_time, reply.boot_id if route.same_host else "")
+        return HandshakeResult(address, incarnation, regions, layout, route=route)
 
     def notify(self, address: PeerAddress, message, recipient: str) -> bool:
         def send(msg) -> bool:
@@ -236,6 +244,7 @@ class PDWorker:
             self._engine.close()
         self._client.close()
         self._transport.close()
+        self._host_proof.close()
         for segment in self._segments:
             segment.close()
         self._segments = []

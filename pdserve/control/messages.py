@@ -57,6 +57,9 @@ MAX_BLOCKS = 1 << 20  # block ids per message: far above any real prompt, far be
 MAX_TEXT = 4096
 MAX_IDENTITY = 256  # an incarnation identity: the codec's limit for senders and recipients
 _DIGEST = re.compile(r"[0-9a-f]{32}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_PROC_FD = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,9}")
+MAX_NIXL_METADATA = 256 * 1024  # a NIXL agent's metadata: ~0.5 KiB per registered region
 
 
 def _check(condition: bool, cls, problem: str) -> None:
@@ -105,6 +108,12 @@ class HandshakeReply:
     host prove that this incarnation has died. `regions` are RegionDescriptor.to_wire() dicts;
     `layers[i]` places attention layer i: `[region_id, byte offset of block 0, bytes per block,
     number of blocks]`.
+
+    How to reach the regions: `nixl_metadata` is the replier's NIXL agent metadata (empty without
+    NIXL; its agent is named `engine_id`, which binds it to this incarnation); `host_proof` is a
+    `/proc/<pid>/fd/<n>` path only a process on the replier's host (and in its PID namespace) can
+    open, holding a random token whose SHA-256 is `host_proof_digest`: reading it back proves the
+    peer shares our host and shared memory can reach it. Both empty when not offered.
     """
 
     engine_id: str
@@ -114,12 +123,21 @@ class HandshakeReply:
     pid: int
     start_time: int
     boot_id: str
+    nixl_metadata: bytes = b""
+    host_proof: str = ""
+    host_proof_digest: str = ""
 
     def validate(self) -> None:
         _check(0 < len(self.engine_id) <= MAX_IDENTITY, type(self), "engine_id must be 1..256 characters")
         _check_text(self, "boot_id", self.boot_id)
         _check(0 < self.pid < 1 << 32 and 0 <= self.start_time < 1 << 62, type(self), "pid/start_time out of range")
         _check(len(self.regions) <= 4096 and len(self.layers) <= 4096, type(self), "too many regions or layers")
+        _check(len(self.nixl_metadata) <= MAX_NIXL_METADATA, type(self),
+               f"nixl_metadata of {len(self.nixl_metadata)} bytes (max {MAX_NIXL_METADATA})")
+        _check(self.host_proof == "" or bool(_PROC_FD.fullmatch(self.host_proof)), type(self),
+               f"host_proof must be /proc/<pid>/fd/<n>, got {self.host_proof[:80]!r}")
+        _check(bool(_SHA256.fullmatch(self.host_proof_digest)) == bool(self.host_proof), type(self),
+               "host_proof_digest must be 64 lowercase hex digits exactly when host_proof is set")
 
 
 @message("handshake_refused")

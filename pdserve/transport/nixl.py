@@ -52,8 +52,9 @@ class _InFlight(NamedTuple):
 
 
 class NixlTransport(Transport):
-    """See the module docstring. `agent_name` must be unique among the agents that meet (use the
-    instance's incarnation identity)."""
+    """See the module docstring. `agent_name` must be unique among the agents that meet: it is the
+    instance's incarnation identity, and a peer is attached only with metadata of the agent named
+    like its peer id."""
 
     def __init__(self, agent_name: str, *, name: str = "nixl", copy_timeout_s: float = COPY_TIMEOUT_S,
                  poll_interval_s: float = POLL_INTERVAL_S):
@@ -110,6 +111,10 @@ class NixlTransport(Transport):
             agent_name = self._agent.add_remote(endpoint)
         except TransferError as exc:
             raise TransferError(f"peer {peer_id!r}: {exc}") from None
+        if agent_name != peer_id:  # the metadata must be the incarnation's own, not another agent's
+            if not any(p.agent_name == agent_name for p in self._peers.values()):
+                self._agent.remove_remote(agent_name)
+            raise TransferError(f"peer {peer_id!r} sent the NIXL metadata of agent {agent_name!r}")
         with self._lock:
             self._peers[peer_id] = _Peer(agent_name, endpoint, wanted)
 

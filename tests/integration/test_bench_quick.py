@@ -1,6 +1,7 @@
-"""End to end: `pdserve bench` on the tiny model, collocated and round-robin, two rates.
+"""End to end: `pdserve bench --quick` on the tiny model: calibration, collocated (on the
+calibration deployment), write, and adaptive once its launcher mode is registered.
 
-Starts real vLLM (through the launcher) and real `vllm bench serve`; about 3 minutes on 2 cores.
+Starts real vLLM (through the launcher) and real `vllm bench serve`; a few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -9,38 +10,60 @@ import json
 
 import pytest
 
+from pdserve.bench.plan import BenchPlan
 from pdserve.cli import main
+from pdserve.launch import known_modes
 from pdserve.launch.ports import port_free
 
-PORT = 18700  # not the CLI default 18800 (nor the unit tests' 18900s), so a manual `pdserve bench` and this test do not collide
+PORT = 31100  # not the CLI default, so a manual `pdserve bench` and this test do not collide
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(600)
-def test_quick_bench_writes_raw_data_report_and_plots(tmp_path, tiny_model_dir):
+@pytest.mark.timeout(900)
+def test_quick_bench_calibrates_replays_one_stream_and_reports(tmp_path, tiny_model_dir):
     out = tmp_path / "quick"
     argv = ["bench", "--quick", "--seeds", "1", "--num-prompts", "12", "--out", str(out), "--port", str(PORT)]
     rc = main(argv)
     assert rc == 0
 
-    for config in ("collocated", "round-robin"):
-        for rate in ("4", "8"):
-            raw = json.loads((out / "raw" / config / f"r{rate}_s1.json").read_text())
+    calibration = json.loads((out / "calibration.json").read_text())
+    assert calibration["prefill_ms"] > 0 and calibration["capacity"] > 0 and calibration["machine"]["num_cpus"] >= 1
+    plan = BenchPlan.load(out / "plan.json")
+    rates = sorted(round(f * calibration["capacity"], 2) for f in plan.rate_fractions)
+    configs = ["collocated", "write"] + (["adaptive"] if "adaptive" in known_modes() else [])
+    assert list(plan.configs) == configs
+
+    for config in configs:
+        for rate in rates:
+            raw = json.loads((out / "raw" / config / f"r{rate:g}_s1.json").read_text())
             assert len(raw["ttfts"]) == 12 and len(raw["itls"]) == 12
             assert raw["failed"] == 0 and all(n == 32 for n in raw["output_lens"])
+            assert all(n == 256 for n in raw["input_lens"])
             assert all(len(gaps) >= 1 for gaps in raw["itls"])
+    # common random numbers: at both rates the same prompts arrive in the same pattern, scaled
+    low, high = ([json.loads(line) for line in (out / "traces" / f"r{r:g}_s1.jsonl").read_text().splitlines()]
+                 for r in rates)
+    assert [row["hash_ids"] for row in low] == [row["hash_ids"] for row in high]
+    assert [row["timestamp"] * rates[0] for row in low] == pytest.approx([row["timestamp"] * rates[1] for row in high],
+                                                                        abs=1e-4)
 
     report = (out / "report.md").read_text()
     assert "Incomplete" not in report
-    assert "Requests meeting the SLO at 8 req/s" in report
-    for config in ("collocated", "round-robin"):
-        assert f"| {config} | " in report
-        assert f"| {config} | not measured" not in report
-    assert "÷ round-robin" in report and "÷ collocated" in report
-    for png in ("attainment_blog.png", "attainment_tight.png", "attainment_stall.png", "distributions_r8.png"):
+    assert f"Requests meeting the SLO at {rates[1]:g} req/s" in report
+    assert "Machine: " in report and "Scored: the steady window" in report
+    assert "0 of " in report and "finished short" in report
+    for config in configs:
+        assert f"| {config} | " in report and f"| {config} | not measured" not in report
+    assert "÷ collocated" in report
+    if "adaptive" not in known_modes():
+        assert "adaptive: left out, its launcher mode is not registered yet." in report
+    for png in ("attainment_blog.png", "attainment_gap50.png", f"distributions_r{rates[1]:g}.png"):
         assert (out / "plots" / png).read_bytes()[:4] == b"\x89PNG"
 
     # nothing left running: the launcher's ports are free again
-    assert all(port_free(p) for p in range(PORT, PORT + 4))
+    assert all(port_free(p) for p in range(PORT, PORT + 6))
     # a second identical invocation resumes: every point is done, so it starts nothing and rewrites the report
     assert main(argv) == 0
+    # SLOs evaluated afterwards on the same requests are marked as such
+    assert main(["bench", "--report-only", "--out", str(out), "--slo", "late:ttft<2000,max_gap<200"]) == 0
+    assert "## SLO `late:ttft<2000,max_gap<200` (added after the run, with --report-only)" in (out / "report.md").read_text()

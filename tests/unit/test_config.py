@@ -20,7 +20,7 @@ def test_defaults():
     c = parse({})
     assert (c.role, c.mode, c.host_ip, c.handshake_port, c.notify_port) == (
         Role.PRODUCER, TransferMode.WRITE, "127.0.0.1", 6301, 6401)
-    assert (c.http_port, c.proxy_ip, c.proxy_ping_port, c.transport) == (None, None, None, "shm")
+    assert (c.http_port, c.proxy_ip, c.proxy_ping_port, c.transport) == (None, None, None, "auto")
     assert c.secret_file == "/run/pdserve/secret"
     assert all(x > 0 for x in (c.handshake_timeout, c.transfer_timeout, c.defer_timeout, c.release_grace,
                                c.heartbeat_interval))

@@ -127,3 +127,21 @@ def test_only_the_steady_window_is_scored(tmp_path):
     at = curve(plan, runs, "collocated", plan.slos[0]).at(1.0)
     assert at.num_requests == len(scored) and at.num_met == 0
     assert latency(plan, runs, "collocated", 1.0).ttft_p50 == 1500.0
+
+
+def test_send_lag_is_measured_against_the_replayed_schedule(tmp_path):
+    from pdserve.bench.arrivals import arrival_times
+    from pdserve.bench.plan import Point
+    from pdserve.bench.summary import send_lags_ms
+
+    plan = synthetic.plan(configs=("collocated",), rates=(2.0,), seeds=(1,))
+    data = synthetic.point_data(met_n=10, ttft_n=0)
+    schedule = arrival_times(1, 10, 2.0)
+    data["start_times"] = [1000.0 + t + (0.030 if i == 4 else 0.0) for i, t in enumerate(schedule)]
+    results = ResultsDir(tmp_path)
+    point = Point("collocated", 2.0, 1)
+    synthetic.write(results.raw_path(point), data)
+    runs = results.load(plan)
+    lags = send_lags_ms(plan, point, runs[point])
+    assert lags[4] == pytest.approx(30.0, abs=1e-6) and max(abs(x) for i, x in enumerate(lags) if i != 4) < 1e-6
+    assert latency(plan, runs, "collocated", 2.0).send_lag_p99_ms == pytest.approx(27.3, abs=0.1)

@@ -52,6 +52,8 @@ def shaped_like(annotation) -> st.SearchStrategy:
         return st.one_of(FLOAT, INT)
     if annotation is str:
         return TEXT
+    if annotation is bytes:
+        return st.binary(max_size=64)
     raise TypeError(f"no strategy for {annotation!r}: teach tests/unit/fuzz/strategies.py this field type")
 
 

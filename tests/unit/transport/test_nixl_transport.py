@@ -26,7 +26,7 @@ def _pattern(start: int, length: int) -> np.ndarray:
 
 def _peer_main(conn, size: int) -> None:
     """The other process: one region of `size` bytes holding (i % 251), served by commands."""
-    transport = NixlTransport(f"peer-{os.getpid()}")
+    transport = NixlTransport("peer")
     region = _pattern(0, size)
     transport.register_region(0, region.ctypes.data, size)
     conn.send(([d.to_wire() for d in transport.local_descriptors()], transport.local_endpoint()))
@@ -127,11 +127,15 @@ def test_a_batch_whose_start_deadline_passed_fails_and_copies_nothing(pair):
     assert transport.wait(in_time, DEADLINE_S) is TransferStatus.DONE, in_time.error
 
 
-def test_attach_without_agent_metadata_names_the_cause(pair):
+def test_attach_without_the_peers_own_agent_metadata_names_the_cause(pair):
     transport, _, peer = pair
     from pdserve.errors import TransferError
     with pytest.raises(TransferError, match="no NIXL agent metadata"):
         transport.attach_peer("other", peer.descriptors, b"")
+    with pytest.raises(TransferError, match="metadata of agent 'peer'"):
+        transport.attach_peer("other", peer.descriptors, peer.endpoint)
+    handle = transport.submit("peer", Direction.READ, [RegionOps(0, (CopyOp(0, 0, BLOCK),))])
+    assert transport.wait(handle, DEADLINE_S) is TransferStatus.DONE, "a refused attach broke the real peer"
 
 
 def test_an_agent_that_dies_mid_transfer_fails_the_transfer_at_once(monkeypatch):
