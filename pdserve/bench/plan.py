@@ -18,7 +18,7 @@ from pdserve.errors import ConfigError
 KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl", "adaptive")
 
 
-WORKLOAD_KINDS = ("random", "shared-prefix")
+WORKLOAD_KINDS = ("random", "shared-prefix", "multi-turn")
 PROMPT_CHUNK_TOKENS = 16  # prompts are built from chunks of this many tokens (see trace.py)
 
 
@@ -28,7 +28,9 @@ class Workload:
     tokens, each generating exactly ``output_len`` tokens (--ignore-eos).
 
     ``shared-prefix``: every prompt starts with one of ``num_prefixes`` shared prefixes of
-    ``prefix_len`` tokens (chosen at random per request); the rest of the prompt is its own."""
+    ``prefix_len`` tokens (chosen at random per request); the rest of the prompt is its own.
+    ``multi-turn``: ``num_prompts`` conversations of ``turns`` chat turns (conversation.py), each
+    turn adding a user message of about ``input_len`` tokens to the previous turns and answers."""
 
     input_len: int
     output_len: int
@@ -37,6 +39,7 @@ class Workload:
     kind: str = "random"
     prefix_len: int = 0
     num_prefixes: int = 0
+    turns: int = 1
 
     def __post_init__(self) -> None:
         if min(self.input_len, self.output_len, self.num_prompts) < 1 or self.burstiness <= 0:
@@ -48,11 +51,18 @@ class Workload:
                 and self.prefix_len % PROMPT_CHUNK_TOKENS == 0):
             raise ConfigError(f"a shared-prefix workload needs num_prefixes >= 1 and a prefix_len below input_len "
                               f"in multiples of {PROMPT_CHUNK_TOKENS}: {self}")
+        if (self.kind == "multi-turn") != (self.turns > 1) or self.turns < 1:
+            raise ConfigError(f"a multi-turn workload (and only one) has turns >= 2: {self}")
 
     @property
     def prefix_caching(self) -> bool:
         """Whether deployments serving it keep prefix caching on (only where prompts share prefixes)."""
-        return self.kind == "shared-prefix"
+        return self.kind in ("shared-prefix", "multi-turn")
+
+    @property
+    def num_requests(self) -> int:
+        """Requests per point (conversations x turns for multi-turn)."""
+        return self.num_prompts * self.turns
 
 
 @dataclass(frozen=True)

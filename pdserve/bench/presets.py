@@ -68,6 +68,7 @@ WORKLOADS: dict[str, dict] = {
     "random": {},  # the preset's own lengths
     "decode-heavy": dict(input_len=128, output_len=512),
     "shared-prefix": dict(kind="shared-prefix", prefix_len=384, num_prefixes=4),  # 3/4 of a 512-token prompt
+    "multi-turn": dict(kind="multi-turn", turns=3, input_len=128),  # 3 chat turns, ~128 new tokens each
 }
 
 RATIONALE = {

@@ -75,8 +75,10 @@ def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path, notes
 
 def _setup(plan: BenchPlan) -> str:
     w = plan.workload
-    kind = (f"shared-prefix ({w.num_prefixes} prefixes of {w.prefix_len} tokens, prefix caching on)"
-            if w.kind == "shared-prefix" else "random-token prompts")
+    kind = {"shared-prefix": f"shared-prefix ({w.num_prefixes} prefixes of {w.prefix_len} tokens, prefix caching on)",
+            "multi-turn": f"multi-turn chat ({w.turns} turns per conversation, each turn's request holding the "
+                          f"earlier turns and answers; ISL = new tokens per turn; prefix caching on; requests "
+                          f"per point = conversations x turns)"}.get(w.kind, "random-token prompts")
     return (f"Model `{plan.model}`; {kind}, ISL {w.input_len} / OSL {w.output_len} (--ignore-eos, temperature 0), "
             f"{w.num_prompts} requests per point, arrivals gamma burstiness {w.burstiness:g} (1 = Poisson); "
             f"rates {', '.join(f'{r:g}' for r in sorted(plan.rates))} req/s; arrival seeds "
@@ -100,7 +102,7 @@ def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: Tun
         items.append(f"Scored: the steady window of each point, the requests arriving between "
                      f"{plan.warmup_fraction:.0%} and {1 - plan.cooldown_fraction:.0%} of the arrival span "
                      f"(the warm-up from an empty system and the drain after the last arrivals are sent but not "
-                     f"scored): {', '.join(map(str, sizes))} of {plan.workload.num_prompts} requests per seed, the "
+                     f"scored): {', '.join(map(str, sizes))} of {plan.workload.num_requests} requests per seed, the "
                      f"same requests at every rate and in every configuration.")
     tuned = [d for c in plan.configs if tune_log and (d := tune_log.describe(c))]
     if tuned:

@@ -22,16 +22,18 @@ from pdserve.errors import ConfigError
 
 
 def window(plan: BenchPlan, seed: int) -> range:
-    """Positions scored in every point of ``seed``."""
+    """Positions scored in every point of ``seed`` (multi-turn: every turn of the conversations
+    that start inside the window; records are in conversation-major order)."""
     w = plan.workload
-    return steady_window(seed, w.num_prompts, w.burstiness, plan.warmup_fraction, plan.cooldown_fraction)
+    arrivals = steady_window(seed, w.num_prompts, w.burstiness, plan.warmup_fraction, plan.cooldown_fraction)
+    return range(arrivals.start * w.turns, arrivals.stop * w.turns)
 
 
 def scored(plan: BenchPlan, seed: int, records: Sequence[RequestRecord]) -> list[RequestRecord]:
     """The steady-window requests of one point (records in arrival order)."""
-    if len(records) != plan.workload.num_prompts:
+    if len(records) != plan.workload.num_requests:
         raise ConfigError(f"a point of seed {seed} holds {len(records)} requests, the plan sends "
-                          f"{plan.workload.num_prompts}")
+                          f"{plan.workload.num_requests}")
     return [records[i] for i in window(plan, seed)]
 
 
@@ -129,6 +131,8 @@ def send_lags_ms(plan: BenchPlan, point: Point, run: BenchRun) -> list[float]:
     w = plan.workload
     schedule = arrival_times(point.seed, w.num_prompts, point.rate, w.burstiness)
     starts = [r.start_s for r in run.records]
+    if w.turns > 1:  # only first turns follow the schedule
+        return []
     if len(starts) != len(schedule) or any(s != s for s in starts):  # NaN: no start times recorded
         return []
     return [1000.0 * ((s - starts[0]) - t) for s, t in zip(starts, schedule)]
