@@ -7,9 +7,11 @@ vLLM's default budget), measure with single HTTP requests:
 * ``decode_step_ms``: one decode step of one sequence, (latency(1 + OSL) - latency(1)) / OSL;
 * ``batch_step_ms``: one decode step of ``BATCH`` concurrent sequences, measured the same way.
 
-The capacity estimate is ``1 / (prefill + OSL x batch_step / BATCH)`` req/s: the machine busy
-with nothing but back-to-back prefills plus its share of batched decode steps. Real knees lie
-below or near it (queueing, interference), so the presets place their rates as fractions of it.
+The capacity estimate is ``1 / (prefill + OSL x m)`` req/s with m = (batch_step - decode_step) /
+(BATCH - 1) the marginal cost of one more sequence in a decode step: the machine busy with
+back-to-back prefills plus every output token at its marginal cost (the fixed part of a step is
+shared by ever larger batches under load). Plain serving's knees lie near 0.7-0.85 of it on the
+small model (the committed run), PD's lower; the presets place their rates as fractions of it.
 """
 
 from __future__ import annotations
@@ -59,25 +61,32 @@ class Calibration:
     batch: int
 
     @property
+    def marginal_step_ms(self) -> float:
+        """What one more sequence adds to a decode step."""
+        return max(0.0, self.batch_step_ms - self.decode_step_ms) / (self.batch - 1)
+
+    @property
     def capacity(self) -> float:
         """Estimated req/s of the whole machine (see the module docstring)."""
-        per_request_s = (self.prefill_ms + self.output_len * self.batch_step_ms / self.batch) / 1000.0
-        return 1.0 / per_request_s
+        return 1000.0 / (self.prefill_ms + self.output_len * self.marginal_step_ms)
 
     def describe(self) -> str:
         return (f"Machine: {self.machine}. Calibration on `{self.config}` (vLLM defaults): prefill of a "
                 f"{self.input_len}-token prompt {self.prefill_ms:.0f} ms; decode step {self.decode_step_ms:.1f} ms "
-                f"for 1 sequence, {self.batch_step_ms:.1f} ms for {self.batch}; estimated capacity "
-                f"1 / (prefill + {self.output_len} x step({self.batch}) / {self.batch}) = {self.capacity:.2f} req/s.")
+                f"for 1 sequence, {self.batch_step_ms:.1f} ms for {self.batch} (marginal {self.marginal_step_ms:.2f} ms "
+                f"a sequence); estimated capacity 1 / (prefill + {self.output_len} x marginal) = "
+                f"{self.capacity:.2f} req/s.")
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "capacity": self.capacity}, indent=2) + "\n"
+        return json.dumps({**asdict(self), "marginal_step_ms": self.marginal_step_ms, "capacity": self.capacity},
+                          indent=2) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> "Calibration":
         try:
             data = json.loads(text)
             data.pop("capacity", None)
+            data.pop("marginal_step_ms", None)
             return cls(machine=Machine(**data.pop("machine")), **data)
         except (ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"unreadable calibration: {exc}") from exc

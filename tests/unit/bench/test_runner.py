@@ -144,7 +144,7 @@ def test_calibration_places_the_rates_and_its_deployment_measures_untuned_colloc
 
     def calibrate(endpoint, plan_, model_dir):
         calls.append(endpoint)
-        # capacity 1 / (0.1 + 4 x 0.02 / 8) = 1 / 0.11 = 9.09 req/s
+        # marginal step (20 - 10) / 7 = 1.4286 ms; capacity 1000 / (100 + 4 x 1.4286) = 9.46 req/s
         return Calibration(Machine("Test CPU", 2, 2, "3.11"), "collocated", 64, 4, 100.0, 10.0, 20.0, 8)
 
     deployer, bench = FakeDeployer(), FakeBench()
@@ -152,10 +152,10 @@ def test_calibration_places_the_rates_and_its_deployment_measures_untuned_colloc
     runner.calibrate = calibrate
     runner.run(progress)
     assert len(calls) == 1
-    assert sorted({c.rate for c in bench.commands}) == [4.55, 9.09]
+    assert sorted({c.rate for c in bench.commands}) == [4.73, 9.46]
     assert [e[:2] for e in deployer.log if e[0] == "up"] == [("up", "collocated"), ("up", "round-robin")]
     report = (tmp_path / "run" / "report.md").read_text()
-    assert "Test CPU, 2 usable of 2 CPUs" in report and "9.09 req/s" in report
+    assert "Test CPU, 2 usable of 2 CPUs" in report and "9.46 req/s" in report
     assert "Rates: 0.5, 1 x the estimated capacity" in report
     runner, progress = make(tmp_path, plan, FakeDeployer(), FakeBench())
     runner.calibrate = calibrate
