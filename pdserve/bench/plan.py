@@ -104,6 +104,7 @@ class BenchPlan:
     warmup_fraction: float = 0.2  # of the arrival span, not scored (the system fills up)
     cooldown_fraction: float = 0.1  # of the arrival span, not scored (arrivals stop, the system drains)
     tune_slo: str = ""  # the SLO whose attainment tuning maximises (default: the first)
+    legacy: bool = False  # read from a plan of the first bench version (vLLM's random dataset, one stream per rate)
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.configs if c not in KNOWN_CONFIGS]
@@ -180,6 +181,7 @@ class BenchPlan:
         fields["candidates"] = tuple((c, tuple(specs)) for c, specs in fields.get("candidates", {}).items())
         if "chunk_candidates" in fields:  # a plan written before CRN streams and steady windows: score everything
             fields.pop("chunk_candidates")
+            fields["legacy"] = True
             fields.setdefault("warmup_fraction", 0.0)
             fields.setdefault("cooldown_fraction", 0.0)
         for key in ("configs", "rates", "seeds", "rate_fractions"):

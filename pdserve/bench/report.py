@@ -75,6 +75,8 @@ def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path, notes
 
 def _setup(plan: BenchPlan) -> str:
     w = plan.workload
+    streams = ("an earlier bench version: vLLM's random dataset, the same stream in every configuration but another "
+               "at each rate" if plan.legacy else "the same stream in every configuration and, scaled, at every rate")
     kind = {"shared-prefix": f"shared-prefix ({w.num_prefixes} prefixes of {w.prefix_len} tokens, prefix caching on)",
             "multi-turn": f"multi-turn chat ({w.turns} turns per conversation, each turn's request holding the "
                           f"earlier turns and answers; ISL = new tokens per turn; prefix caching on; requests "
@@ -82,8 +84,7 @@ def _setup(plan: BenchPlan) -> str:
     return (f"Model `{plan.model}`; {kind}, ISL {w.input_len} / OSL {w.output_len} (--ignore-eos, temperature 0), "
             f"{w.num_prompts} requests per point, arrivals gamma burstiness {w.burstiness:g} (1 = Poisson); "
             f"rates {', '.join(f'{r:g}' for r in sorted(plan.rates))} req/s; arrival seeds "
-            f"{', '.join(map(str, plan.seeds))} (the same stream in every configuration and, scaled, at every rate); "
-            f"configurations: {', '.join(plan.configs)}.")
+            f"{', '.join(map(str, plan.seeds))} ({streams}); configurations: {', '.join(plan.configs)}.")
 
 
 def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: TuneLog | None,
@@ -110,7 +111,7 @@ def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: Tun
                      f"{tune_log.rate:g} req/s, SLO `{tune_log.slo}`; objective: {OBJECTIVE}; attainment per "
                      f"candidate in parentheses, details in tune.json): " + "; ".join(tuned) + ".")
     untuned = [c for c in plan.configs if not plan.budgets(c)]
-    if untuned:
+    if untuned and not plan.legacy:  # a legacy run's notes say what it tuned
         chunked = f" (chunked: {plan.chunked_tokens})" if "chunked" in untuned else ""
         items.append(f"Not tuned, vLLM's default budget{chunked}: {', '.join(untuned)}.")
     short = sum(run.num_short(plan.workload.output_len) for run in runs.values())
@@ -192,6 +193,9 @@ def _latencies(plan: BenchPlan, runs: dict[Point, BenchRun]) -> list[str]:
              "Send lag: how late the bench client sent requests against the schedule (it shares the cores).", "",
              "| configuration | rate | TTFT p50/p90 | mean ITL p50/p90 | max gap p50/p90 | failed | short | send lag p99 | req/s | out tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    if plan.legacy:  # its requests did not follow pdserve's schedule
+        lines = [line.replace(" send lag p99 |", "").replace("---|---|---|---|---|---|---|---|---|---|", "---|" * 9)
+                 for line in lines[:2] + lines[4:]]
     for config in plan.configs:
         for rate in sorted(plan.rates):
             lat = latency(plan, runs, config, rate)
@@ -200,8 +204,8 @@ def _latencies(plan: BenchPlan, runs: dict[Point, BenchRun]) -> list[str]:
             lines.append(
                 f"| {config} | {rate:g} | {_ms(lat.ttft_p50)}/{_ms(lat.ttft_p90)} | "
                 f"{_ms(lat.mean_itl_p50, 1)}/{_ms(lat.mean_itl_p90, 1)} | {_ms(lat.max_gap_p50)}/{_ms(lat.max_gap_p90)} | "
-                f"{lat.num_failed}/{lat.num_requests} | {lat.num_short} | {_ms(lat.send_lag_p99_ms)} | "
-                f"{lat.request_throughput:.2f} | "
+                f"{lat.num_failed}/{lat.num_requests} | {lat.num_short} | "
+                + ("" if plan.legacy else f"{_ms(lat.send_lag_p99_ms)} | ") + f"{lat.request_throughput:.2f} | "
                 f"{lat.output_throughput:.0f} |")
     return lines + [""]
 
