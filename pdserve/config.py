@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping
 
+from pdserve.connector.placement import PLACEMENT_KEYS, PlacementConfig, parse_placement
 from pdserve.errors import ConfigError
 
 SECRET_FILE_ENV = "PDSERVE_SECRET_FILE"
@@ -56,6 +57,7 @@ class ConnectorConfig:
     load_failure_policy: str  # "recompute": D prefills a request itself when its KV cannot arrive
     test_corrupt_transfers: bool  # test-only: flip bytes after every copy
     test_fault_plan: str | None  # test-only: fault-injection plan file (pdserve/faults)
+    placement: PlacementConfig = PlacementConfig()  # per-request placement (connector/placement.py)
 
     @property
     def engine_id(self) -> str:
@@ -70,7 +72,7 @@ _KNOWN_KEYS = {
     "handshake_port", "notify_port", "read_mode", "host_ip", "proxy_ip", "proxy_ping_port",
     "http_port", "transfer_timeout", "defer_timeout", "handshake_timeout", "release_grace",
     "heartbeat_interval", "transport", "secret_file", "test_corrupt_transfers", "allowed_peers",
-    "peer_idle_timeout", "load_failure_policy", "test_fault_plan",
+    "peer_idle_timeout", "load_failure_policy", "test_fault_plan", *PLACEMENT_KEYS,
 }
 
 
@@ -154,6 +156,10 @@ def parse_connector_config(
     http_port = extra.get("http_port")
     if proxy_ip and not http_port:
         raise ConfigError("http_port is required when registering with a router (proxy_ip)")
+    placement = parse_placement(extra)
+    if placement.adaptive and _bool("read_mode", extra.get("read_mode", False)):
+        raise ConfigError("placement adaptive needs WRITE mode: in READ mode vllm-router sends the decode leg only "
+                          "after the prefill leg returned, so decode cannot decide before prefill runs")
     return ConnectorConfig(
         role=role,
         mode=TransferMode.READ if _bool("read_mode", extra.get("read_mode", False)) else TransferMode.WRITE,
@@ -175,6 +181,7 @@ def parse_connector_config(
         load_failure_policy=_policy(extra.get("load_failure_policy", "recompute")),
         test_corrupt_transfers=_bool("test_corrupt_transfers", extra.get("test_corrupt_transfers", False)),
         test_fault_plan=str(extra.get("test_fault_plan") or env.get(FAULT_PLAN_ENV) or "") or None,
+        placement=placement,
     )
 
 

@@ -21,10 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 from pdserve.config import parse_connector_config
-from pdserve.connector.metadata import StepPlan
+from pdserve.connector.metadata import StepPlan, WorkerNews
 from pdserve.connector.registration import RouterRegistration
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
@@ -64,6 +65,29 @@ def _apply_load_failure_policy(transfer_config, policy: str) -> None:
     transfer_config.kv_load_failure_policy = policy
 
 
+def _placement_failure_policy(config) -> str:
+    """Under adaptive placement a prefill instance ends a leg that decode prefills itself by
+    failing its (claimed) KV load, which only vLLM's `fail` policy turns into an error instead of
+    a prefill. A prefill instance loads no real KV, so nothing else changes."""
+    from pdserve.config import Role
+
+    if config.placement.adaptive and config.role is Role.PRODUCER:
+        return "fail"
+    return config.load_failure_policy
+
+
+class PDWorkerNews(KVConnectorWorkerMetadata):
+    """vLLM's worker -> scheduler metadata: carries the worker half's WorkerNews."""
+
+    def __init__(self, news: WorkerNews):
+        self.news = news
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        if isinstance(other, PDWorkerNews):
+            self.news.merge(other.news)
+        return self
+
+
 class PDConnectorMetadata(KVConnectorMetadata):
     """vLLM's per-step connector metadata: carries the scheduler half's StepPlan to the worker."""
 
@@ -83,8 +107,9 @@ class PDConnector(KVConnectorBase_V1):
         self._worker: PDWorker | None = None
         self._registration: RouterRegistration | None = None
         if role == KVConnectorRole.SCHEDULER:
-            _apply_load_failure_policy(transfer_config, self._config.load_failure_policy)
-            self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size)
+            _apply_load_failure_policy(transfer_config, _placement_failure_policy(self._config))
+            self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size,
+                                          vllm_config.scheduler_config.max_num_batched_tokens)
             if self._config.proxy_ip:
                 self._registration = RouterRegistration(self._config)
         else:
@@ -105,7 +130,9 @@ class PDConnector(KVConnectorBase_V1):
         return PDConnectorMetadata(self._scheduler.build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(connector_output)
+        meta = connector_output.kv_connector_worker_meta
+        news = meta.news if isinstance(meta, PDWorkerNews) else None
+        self._scheduler.update_connector_output(connector_output, news)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
@@ -142,6 +169,10 @@ class PDConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         finished = self._worker.take_finished(finished_req_ids)
         return KVConnectorTransferResults(finished.sending, finished.recving, finished.failed_recving)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        news = self._worker.take_news() if self._worker is not None else None
+        return PDWorkerNews(news) if news else None
 
     def get_kv_connector_stats(self):
         data = self._worker.take_stats() if self._worker is not None else None

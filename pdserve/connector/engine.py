@@ -28,11 +28,12 @@ from typing import Callable, Protocol
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.allowlist import PeerAllowList
 from pdserve.connector.layout import KvLayout
-from pdserve.connector.metadata import CancelSpec, HoldSpec, RecvSpec, SendSpec
+from pdserve.connector.metadata import AwaitSpec, CancelSpec, DropSpec, HoldSpec, RecvSpec, SendSpec, WorkerNews
+from pdserve.connector.placement_inbox import PlacementInbox
 from pdserve.connector.peers import HandshakeResult, Peer, PeerState, PeerTable
 from pdserve.connector.transfer import Side, Transfer, TransferState
 from pdserve.control.address import PeerAddress
-from pdserve.control.messages import ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
+from pdserve.control.messages import PrefillLoad, ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
 from pdserve.errors import PDServeError
 from pdserve.transport.base import Direction, Transport, TransferStatus
 
@@ -41,6 +42,7 @@ logger = logging.getLogger("pdserve.connector")
 MAX_TERMINAL_IDS = 4096
 MAX_EARLY_IDS = 4096
 LIVENESS_EVERY_S = 0.5
+RELEASED_BY_DECODE = "decode released the transfer"  # D gave up on it, or prefills the prompt itself
 
 
 class Notifier(Protocol):
@@ -90,6 +92,7 @@ class TransferEngine:
         self._sent: set[str] = set()  # request ids whose send side is over, not yet reported
         self._finished = Finished()
         self._next_liveness = 0.0
+        self._placement = PlacementInbox(config.defer_timeout)
         self.stats = TransferStats()
 
     # ---- inputs ----------------------------------------------------------------------------
@@ -143,6 +146,32 @@ class TransferEngine:
             self._send(spec.peer, WriteDone(spec.transfer_id, False, spec.reason))
         else:
             self._send(spec.peer, self._release(spec.transfer_id))
+
+    def await_decision(self, spec: AwaitSpec) -> None:
+        """P, adaptive placement: the prefill leg of `spec` waits for D's word (see PlacementInbox)."""
+        tid = spec.transfer_id
+        if tid in self._terminal or tid in self._transfers:
+            known = False if tid in self._terminal else True
+        elif any(isinstance(m, RemoteBlocks) for _, _, m in self._early.get(tid, ())):
+            known = True
+        else:
+            known = None
+            self._peers.lookup(spec.peer)  # handshake D now: its blocks and our load reports need it
+        self._placement.expect(spec, known)
+
+    def drop(self, spec: DropSpec) -> None:
+        """P: D prefills this prompt itself; vLLM ends the leg when its 'load' is reported failed."""
+        self._finished.failed_recving.add(spec.request_id)
+
+    def publish_load(self, load: PrefillLoad) -> None:
+        """P: tell every decode instance we know how busy we are (rate-limited)."""
+        if not self._placement.publish_due():
+            return
+        for peer in self._peers.ready():
+            self._notify(peer.address, load, peer.key)
+
+    def take_news(self) -> WorkerNews | None:
+        return self._placement.take()
 
     def layer_ready(self, layer_index: int) -> None:
         """P WRITE: the forward pass has just computed `layer_index` for this step's sends."""
@@ -212,8 +241,12 @@ class TransferEngine:
 
     def _admit(self, t: Transfer) -> bool:
         if t.transfer_id in self._transfers or t.transfer_id in self._terminal:
-            t.fail(f"transfer_id {t.transfer_id!r} is already in use")
-            self._finish(t, track=False)
+            released = t.side is Side.SEND and self._terminal.get(t.transfer_id, 0) is None
+            if released:  # D let go before our prefill ended (it prefilled the prompt itself)
+                t.fail(f"decode released transfer {t.transfer_id} before its prefill ended")
+            else:
+                t.fail(f"transfer_id {t.transfer_id!r} is already in use")
+            self._finish(t, track=False, quiet=released)
             return False
         self._transfers[t.transfer_id] = t
         for _, sender, message in self._early.pop(t.transfer_id, ()):
@@ -228,11 +261,23 @@ class TransferEngine:
                 self._on_peer(peer)
             return
         sender, message = event
+        if isinstance(message, PrefillLoad):
+            if self._config.role is Role.CONSUMER:
+                self._placement.on_load(message)
+            return
         tid = message.transfer_id
         t = self._transfers.get(tid)
         if t is not None:
             self._on_transfer_message(t, sender, message)
-        elif isinstance(message, Release) and self._config.role is Role.PRODUCER and message.reply_host:
+        elif self._config.role is Role.PRODUCER and isinstance(message, (RemoteBlocks, Release)):
+            self._placement.decided(tid, isinstance(message, RemoteBlocks))
+            self._apply_unknown(tid, sender, message)
+        else:
+            self._apply_unknown(tid, sender, message)
+
+    def _apply_unknown(self, tid: str, sender: str, message) -> None:
+        """A message for a transfer we do not run (yet, or any more)."""
+        if isinstance(message, Release) and self._config.role is Role.PRODUCER and message.reply_host:
             # D gave up on a transfer we have not seen (or already ended): fence it, so a send that
             # comes later never writes, and tell D at once that nothing of ours will touch its blocks.
             if tid not in self._terminal:
@@ -265,7 +310,7 @@ class TransferEngine:
                 self._on_remote_blocks(t, sender, message)
             elif isinstance(message, Release):
                 t.peer_identity = sender
-                self._stop(t, "decode released the transfer", tell_peer=True)
+                self._stop(t, RELEASED_BY_DECODE, tell_peer=True)
         elif t.side is Side.SEND:  # P READ hold: D comes to us
             if isinstance(message, ReadDone):
                 self._on_read_done(t, sender, message)
@@ -574,7 +619,7 @@ class TransferEngine:
     def _fail(self, t: Transfer, reason: str) -> None:
         self._stop(t, reason, tell_peer=True)
 
-    def _finish(self, t: Transfer, track: bool = True) -> None:
+    def _finish(self, t: Transfer, track: bool = True, quiet: bool = False) -> None:
         if track:
             self._transfers.pop(t.transfer_id, None)
             self._remember_terminal(t.transfer_id, t.peer if t.side is Side.SEND else None)
@@ -587,8 +632,9 @@ class TransferEngine:
             self.stats.transfer_bytes.append(t.num_bytes)
         else:
             self.stats.num_failed += 1
-            logger.error("pdserve: transfer %s (request %s) failed: %s [%s]", t.transfer_id, t.request_id,
-                         t.error, t.describe())
+            log = logger.info if quiet or t.error == RELEASED_BY_DECODE else logger.error
+            log("pdserve: transfer %s (request %s) failed: %s [%s]", t.transfer_id, t.request_id,
+                t.error, t.describe())
         if t.side is Side.SEND:
             self._sent.add(t.request_id)
         else:

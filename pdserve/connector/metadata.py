@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import TransferMode
 from pdserve.control.address import PeerAddress
+from pdserve.control.messages import PrefillLoad
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,50 @@ class CancelSpec:
     reason: str
 
 
+@dataclass(frozen=True)
+class AwaitSpec:
+    """P, adaptive placement: this prefill leg waits for its decode instance's decision (D's
+    RemoteBlocks: prefill here; D's Release: D prefills the prompt itself)."""
+
+    request_id: str
+    transfer_id: str
+    peer: PeerAddress
+
+
+@dataclass(frozen=True)
+class DropSpec:
+    """P: D prefills this prompt itself; report the leg's (fake) KV load as failed so vLLM ends
+    it with an error without running the prompt."""
+
+    request_id: str
+
+
 @dataclass
 class StepPlan:
     sends: list[SendSpec] = field(default_factory=list)
     holds: list[HoldSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     cancels: list[CancelSpec] = field(default_factory=list)
+    awaits: list[AwaitSpec] = field(default_factory=list)
+    drops: list[DropSpec] = field(default_factory=list)
+    load: PrefillLoad | None = None  # P, adaptive: what to publish to decode instances
+    placements: list[str] = field(default_factory=list)  # D: decisions made this step ("local:local_faster")
     idle: bool = False  # no tokens scheduled this step: the worker may wait briefly for progress
+
+
+@dataclass
+class WorkerNews:
+    """What the worker half tells the scheduler half each step (vLLM's kv_connector_worker_meta):
+    P: placement decisions D sent (request id -> True: prefill here, False: D prefills it);
+    D: the latest load each prefill instance published, by (host, handshake port)."""
+
+    decided: dict[str, bool] = field(default_factory=dict)
+    loads: dict[tuple[str, int], PrefillLoad] = field(default_factory=dict)
+
+    def merge(self, other: "WorkerNews") -> "WorkerNews":
+        self.decided.update(other.decided)
+        self.loads.update(other.loads)
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.decided or self.loads)

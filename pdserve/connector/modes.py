@@ -156,3 +156,18 @@ def write(options: UpOptions) -> Deployment:
 def read(options: UpOptions) -> Deployment:
     """PD, READ mode: P prefills and holds the blocks, D pulls them."""
     return pd_deployment(options, "read")
+
+
+ADAPTIVE_PREFILL_BUDGET = 512  # one 512-token prompt per P step: no prompt waits behind three others
+ADAPTIVE_DECODE_BUDGET = 64  # D's local prefill chunk (and decode batch): a chunk step stays near the ITL target
+
+
+@register("adaptive")
+def adaptive(options: UpOptions) -> Deployment:
+    """PD, WRITE mode with per-request placement: decode prefills a prompt itself (chunked) when that is faster."""
+    tuned = dataclasses.replace(options, prefill_budget=options.prefill_budget or ADAPTIVE_PREFILL_BUDGET,
+                                decode_budget=options.decode_budget or ADAPTIVE_DECODE_BUDGET)
+    extra = {"placement": "adaptive"}
+    if options.itl_target_ms is not None:
+        extra["itl_target_ms"] = options.itl_target_ms
+    return pd_deployment(tuned, "write", extra)

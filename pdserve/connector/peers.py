@@ -96,6 +96,10 @@ class PeerTable:
         peer.last_used = time.monotonic()
         return peer
 
+    def ready(self) -> list[Peer]:
+        """Peers with a live, attached incarnation."""
+        return [peer for peer in self._peers.values() if peer.state is PeerState.READY]
+
     def refresh(self, address: PeerAddress) -> None:
         """Handshake the ready peer at `address` again (it may have restarted); until the answer
         comes, the current incarnation stays attached."""

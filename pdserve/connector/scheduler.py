@@ -14,13 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
+from pdserve.connector.decode_load import DecodeLoad
 from pdserve.connector.guard import guarded
-from pdserve.connector.metadata import CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
+from pdserve.connector.metadata import AwaitSpec, CancelSpec, DropSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
+from pdserve.connector.placement import Decision, Placement, make_policy
+from pdserve.connector.prefill_gate import PrefillGate, Verdict
 from pdserve.connector.prompt_digest import prompt_digest
+from pdserve.connector.step_costs import StepCosts
+from pdserve.control.messages import PrefillLoad
 from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params
 
 logger = logging.getLogger("pdserve.connector")
+PLACEMENT_LOG_EVERY_S = 5.0
 
 
 @dataclass
@@ -32,10 +38,22 @@ class _PendingSend:
 class PDScheduler:
     """Called by vLLM's scheduler; see vLLM's KVConnectorBase_V1 for when each hook runs."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int):
+    def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048):
         self._config = config
         self._block_size = block_size
+        self._budget = budget  # this instance's --max-num-batched-tokens
         self._kv_cache_manager = None
+        self._step: tuple[float, int, int] | None = None  # this step's start, prefill tokens, decodes
+        # P, adaptive placement
+        adaptive = config.placement.adaptive
+        self._gate = PrefillGate(config.placement.wait_s) if adaptive and config.role is Role.PRODUCER else None
+        self._costs = StepCosts()
+        self._accepted: dict[str, Any] = {}  # legs D wants prefilled here, until their prompt is computed
+        # D, placement
+        self._policy = make_policy(config.placement)
+        self._decode_load = DecodeLoad(budget)
+        self._decisions: dict[str, Decision] = {}
+        self._next_placement_log = 0.0
         # P
         self._pending_sends: dict[str, _PendingSend] = {}  # WRITE: prompt not yet complete
         self._sending: dict[str, TransferParams] = {}  # WRITE: SendSpec emitted, request still running
@@ -61,37 +79,76 @@ class PDScheduler:
         if self._config.role is Role.PRODUCER:
             self._cancel_preempted_sends(getattr(scheduler_output, "preempted_req_ids", None) or ())
             self._emit_due_sends(scheduler_output.num_scheduled_tokens)
+        self._start_step(scheduler_output.num_scheduled_tokens)
+        if self._gate is not None:
+            self._meta.load = self._prefill_load()
         meta, self._meta = self._meta, StepPlan()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     @guarded()
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output, news=None) -> None:
+        self._end_step()
         for request_id in connector_output.finished_sending or ():
             self._held.discard(request_id)
         for request_id in connector_output.finished_recving or ():
             if request_id in self._receiving:
                 self._received.add(request_id)
+            self._decode_load.landed(request_id)
+        if news is not None:
+            if self._gate is not None:
+                self._gate.on_decisions(news.decided)
+            self._decode_load.on_loads(news.loads)
+
+    def _start_step(self, num_scheduled_tokens: dict[str, int]) -> None:
+        prefill = sum(n for n in num_scheduled_tokens.values() if n > 1)
+        decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
+        self._decode_load.running_decodes = decodes
+        self._step = (time.monotonic(), prefill, decodes) if prefill or decodes else None
+
+    def _end_step(self) -> None:
+        if self._step is not None:
+            started, prefill, decodes = self._step
+            costs = self._decode_load.costs if self._config.role is Role.CONSUMER else self._costs
+            costs.observe(time.monotonic() - started, prefill, decodes)
+            self._step = None
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._meta.cancels or self._meta.holds)
 
     @guarded(lambda: (0, False))
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
-        if self._config.role is Role.PRODUCER or rid in self._receiving or rid in self._cancelled:
+        if self._config.role is Role.PRODUCER:
+            return self._gate_prefill(request, num_computed_tokens)
+        if rid in self._receiving or rid in self._cancelled:
             return 0, False
         params = self._consumer_params(request)
         if params is None:
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        if isinstance(params, TransferParams):
+            decision = self._policy.decide(count, self._decode_load.view(params.peer),
+                                           self._decode_load.load_of(params.peer))
+            self._decisions[rid] = decision  # counted once blocks are allocated (vLLM may ask again)
+            if decision.placement is Placement.LOCAL:
+                return 0, False
+        return count, True
 
     @guarded()
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self._config.role is Role.PRODUCER:
+            if self._gate is not None and self._gate.dropped(request.request_id):
+                if num_external_tokens > 0:
+                    self._meta.drops.append(DropSpec(request.request_id))
+                    return
+                logger.warning("pdserve: request %s: vLLM would not hold the dropped leg; prefilling it",
+                               request.request_id)
             self._track_send(request)
         else:
+            self._place(request, num_external_tokens)
             self._start_recv(request, blocks, num_external_tokens)
 
     @guarded(lambda: (False, None))
@@ -104,6 +161,46 @@ class PDScheduler:
         return self._finish_read_send(request, block_ids)
 
     # ---- P ---------------------------------------------------------------------------------
+
+    def _gate_prefill(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Adaptive placement: hold a prefill leg until D decided; a dropped one claims its prompt
+        as an external load that the worker then fails (vLLM's `fail` policy ends it unrun)."""
+        if self._gate is None:
+            return 0, False
+        rid = request.request_id
+        try:
+            params = parse_transfer_params(request.kv_transfer_params, rid, Role.PRODUCER)
+            if params is not None:
+                params.require_peer()
+        except ProtocolError:
+            return 0, False  # _track_send names the problem
+        if params is None:
+            return 0, False
+        verdict = self._gate.verdict(rid)
+        if verdict is Verdict.ASK:
+            self._meta.awaits.append(AwaitSpec(rid, params.transfer_id, params.peer))
+        if verdict in (Verdict.ASK, Verdict.WAIT):
+            return None, False
+        if verdict is Verdict.DROP:
+            count = request.num_prompt_tokens - num_computed_tokens
+            if count > 0:
+                return count, True
+        self._accepted[rid] = request
+        return 0, False
+
+    def _prefill_load(self) -> PrefillLoad | None:
+        costs = self._costs.coefficients()
+        if costs is None:
+            return None
+        queued = 0
+        for rid, request in list(self._accepted.items()):
+            left = request.num_prompt_tokens - request.num_computed_tokens
+            if left <= 0:
+                del self._accepted[rid]
+            else:
+                queued += left
+        return PrefillLoad(self._config.host_ip, self._config.handshake_port, queued, costs.per_prefill_token_s,
+                           costs.overhead_s, self._budget, time.time())
 
     def _track_send(self, request) -> None:
         rid = request.request_id
@@ -147,6 +244,9 @@ class PDScheduler:
 
     def _finish_write_send(self, request) -> tuple[bool, None]:
         rid = request.request_id
+        self._accepted.pop(rid, None)
+        if self._gate is not None:
+            self._gate.forget(rid)
         if rid in self._sending or rid in self._preempted:
             self._sending.pop(rid, None)
             self._preempted.discard(rid)
@@ -189,6 +289,19 @@ class PDScheduler:
         }
 
     # ---- D ---------------------------------------------------------------------------------
+
+    def _place(self, request, num_external_tokens: int) -> None:
+        """Count the decision that took effect and track the load it adds."""
+        decision = self._decisions.pop(request.request_id, None)
+        params = self._recv_params.get(request.request_id)
+        if decision is None or not isinstance(params, TransferParams) or request.request_id in self._receiving:
+            return
+        self._meta.placements.append(decision.label)
+        self._log_placement(decision, params)
+        if num_external_tokens == 0:
+            self._decode_load.add_local(request)
+        else:
+            self._decode_load.add_remote(request.request_id, params.peer, num_external_tokens)
 
     def _consumer_params(self, request) -> TransferParams | ProtocolError | None:
         rid = request.request_id
@@ -244,8 +357,23 @@ class PDScheduler:
         if isinstance(params, TransferParams):
             self._meta.cancels.append(CancelSpec(params.transfer_id, params.peer, reason))
 
+    def _log_placement(self, decision: Decision, params: TransferParams) -> None:
+        """Every PLACEMENT_LOG_EVERY_S: the decision just taken and what it was based on."""
+        now = time.monotonic()
+        if now < self._next_placement_log or not self._config.placement.adaptive:
+            return
+        self._next_placement_log = now + PLACEMENT_LOG_EVERY_S
+        view = self._decode_load.view(params.peer)
+        fmt = lambda v: "-" if v is None else f"{1000 * v:.0f} ms"
+        logger.info("pdserve: placement %s (local %s, remote %s); decode: %d running, %d backlog tokens, costs %s; "
+                    "prefill %s:%d: %s", decision.label, fmt(decision.ttft_local_s), fmt(decision.ttft_remote_s),
+                    view.running_decodes, view.local_backlog_tokens, view.costs, params.peer.host,
+                    params.peer.handshake_port, self._decode_load.load_of(params.peer))
+
     def _finish_recv(self, request) -> None:
         rid = request.request_id
+        self._decode_load.forget(rid)
+        self._decisions.pop(rid, None)
         if rid not in self._recv_params:  # aborted before it was ever scheduled: P may hold its KV
             self._consumer_params(request)
         if rid in self._recv_params and rid not in self._cancelled:

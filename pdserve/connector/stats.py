@@ -16,7 +16,9 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from pdserve.connector.engine import TransferStats
 
 # What take_stats sends: the engine's TransferStats fields plus what the worker counts itself.
-_EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": []}
+_EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": [],
+          "placements": [], "prefill_queued_tokens": []}
+_EMPTY["peers_attached"] = []  # "shm" or "nixl" per peer incarnation attached (transport/nixl_auto.py)
 _LISTS = tuple(k for k, v in _EMPTY.items() if isinstance(v, list))  # one entry per event: concatenated
 _SUMMED = tuple(k for k in _EMPTY if k not in _LISTS)
 
@@ -66,7 +68,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
     rejected/fenced/refused/recomputed counts. Histograms, one observation per completed transfer:
     `pdserve:kv_transfer_duration_seconds` (announce/hold to completion) and
     `pdserve:kv_transfer_size_bytes`; one per answered handshake this instance started:
-    `pdserve:kv_handshake_duration_seconds`."""
+    `pdserve:kv_handshake_duration_seconds`. Placement (connector/placement.py): on D,
+    `pdserve:placements_total{placement=local|remote, reason=...}`, one per decision; on P,
+    `pdserve:prefill_queued_tokens`, the prompt tokens it last published as queued."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -92,11 +96,20 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._refused = counter("pdserve:kv_transfers_refused", "KV transfers refused: peer not in allowed_peers.")
         self._recomputed = counter("pdserve:kv_recomputed",
                                    "Requests whose KV did not arrive and that decode prefilled itself.")
+        placement = self._counter_cls(name="pdserve:placements", labelnames=[*labelnames, "placement", "reason"],
+                                      documentation="Placement decisions of decode: prefill remote (on P) or local.")
+        self._placement_metric, self._labels = placement, per_engine_labelvalues
+        self._placement_children: dict[tuple[int, str], Any] = {}
+        queued = self._gauge_cls(name="pdserve:prefill_queued_tokens", labelnames=labelnames,
+                                 documentation="Prompt tokens this prefill instance accepted and has not computed.",
+                                 multiprocess_mode="mostrecent")
+        self._queued = create_metric_per_engine(queued, per_engine_labelvalues)
         self._duration = histogram("pdserve:kv_transfer_duration_seconds",
                                    "Seconds from announce (WRITE) or hold (READ) to completion, per completed KV transfer.",
                                    DURATION_BUCKETS_S)
         self._size = histogram("pdserve:kv_transfer_size_bytes", "Bytes of KV delivered per completed transfer.",
                                SIZE_BUCKETS_BYTES)
+        self._peers_attached = _per_transport(self._counter_cls, labelnames, per_engine_labelvalues)
         self._handshake = histogram("pdserve:kv_handshake_duration_seconds",
                                     "Seconds from handshake request to reply, per answered handshake.",
                                     DURATION_BUCKETS_S)
@@ -118,3 +131,26 @@ class PDPromMetrics(KVConnectorPromMetrics):
             self._size[engine_idx].observe(num_bytes)
         for seconds in transfer_stats_data.get("handshake_seconds", []):
             self._handshake[engine_idx].observe(seconds)
+        for transport in transfer_stats_data.get("peers_attached", []):
+            self._peers_attached[engine_idx][transport].inc()
+        for label in transfer_stats_data.get("placements", []):
+            self._placement_child(engine_idx, label).inc()
+        queue = transfer_stats_data.get("prefill_queued_tokens", [])
+        if queue:
+            self._queued[engine_idx].set(queue[-1])
+
+    def _placement_child(self, engine_idx: int, label: str):
+        key = (engine_idx, label)
+        if key not in self._placement_children:
+            placement, _, reason = label.partition(":")
+            self._placement_children[key] = self._placement_metric.labels(*self._labels[engine_idx], placement, reason)
+        return self._placement_children[key]
+
+
+def _per_transport(counter_cls, labelnames, per_engine_labelvalues) -> dict[int, dict[str, Any]]:
+    """`pdserve:kv_peers_attached_total{transport=shm|nixl}`: peer incarnations attached, by the
+    transport that reaches them (shm only for a peer proven on this host)."""
+    metric = counter_cls(name="pdserve:kv_peers_attached", labelnames=[*labelnames, "transport"],
+                         documentation="Peer incarnations attached, by the transport that reaches them.")
+    return {idx: {t: metric.labels(*values, t) for t in ("shm", "nixl")}
+            for idx, values in per_engine_labelvalues.items()}

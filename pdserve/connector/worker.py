@@ -27,8 +27,8 @@ from pdserve.connector.peers import HandshakeResult
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
 from pdserve.control.endpoint import Client, Server
-from pdserve.control.messages import (HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong, ReadAck,
-                                      ReadDone, Release, RemoteBlocks, WriteDone)
+from pdserve.control.messages import (HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong, PrefillLoad,
+                                      ReadAck, ReadDone, Release, RemoteBlocks, WriteDone)
 from pdserve.control.secret import load_secret
 from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
 from pdserve.faults import FaultPlan
@@ -43,7 +43,7 @@ from pdserve.transport.shm_tensor import move_tensors_to_shared_memory
 logger = logging.getLogger("pdserve.connector")
 
 IDLE_WAIT_S = 0.002  # an empty engine step waits this long for transfer progress
-TRANSFER_MESSAGES = (RemoteBlocks, WriteDone, Release, ReadDone, ReadAck)
+TRANSFER_MESSAGES = (RemoteBlocks, WriteDone, Release, ReadDone, ReadAck, PrefillLoad)
 
 
 class PDWorker:
@@ -70,6 +70,8 @@ class PDWorker:
         self._idle = False
         self._reported_rejections = 0
         self._handshake_seconds: deque[float] = deque()  # appended by handshake threads, drained by take_stats
+        self._placements: list[str] = []  # D: this interval's placement decisions, "placement:reason"
+        self._prefill_queue: list[int] = []  # P: queued prompt tokens it published, latest last
 
     # ---- startup ---------------------------------------------------------------------------
 
@@ -197,6 +199,15 @@ class PDWorker:
             engine.add_recv(spec)
         for spec in meta.sends:
             engine.add_send(spec)
+        for spec in meta.awaits:
+            engine.await_decision(spec)
+        for spec in meta.drops:
+            engine.drop(spec)
+        if meta.load is not None:
+            engine.publish_load(meta.load)
+            if not self._prefill_queue or self._prefill_queue[-1] != meta.load.queued_tokens:
+                self._prefill_queue.append(meta.load.queued_tokens)
+        self._placements.extend(meta.placements)
         self._step_sends = bool(meta.sends)
         self._idle = meta.idle
         engine.pump()
@@ -222,6 +233,9 @@ class PDWorker:
         self._engine.pump(IDLE_WAIT_S if self._idle else 0.0)
         return self._engine.take_finished(finished_req_ids)
 
+    def take_news(self):
+        return self._engine.take_news() if self._engine is not None else None
+
     def take_stats(self) -> dict | None:
         if self._engine is None:
             return None
@@ -229,12 +243,15 @@ class PDWorker:
         rejected = sum(server.num_rejected for server in self._servers)
         new_rejections, self._reported_rejections = rejected - self._reported_rejections, rejected
         handshakes = [self._handshake_seconds.popleft() for _ in range(len(self._handshake_seconds))]
-        if not (stats.num_completed or stats.num_failed or new_rejections or handshakes):
+        placements, self._placements = self._placements, []
+        queue, self._prefill_queue = self._prefill_queue[-1:], []
+        if not (stats.num_completed or stats.num_failed or new_rejections or handshakes or placements or queue):
             return None
         self._engine.stats = type(stats)()
         recomputed = stats.num_failed if self._config.role is Role.CONSUMER and self._config.load_failure_policy == "recompute" else 0
         return {**dataclasses.asdict(stats), "num_rejected": new_rejections, "num_recomputed": recomputed,
-                "handshake_seconds": handshakes}
+                "handshake_seconds": handshakes, "placements": placements, "prefill_queued_tokens": queue,
+                "peers_attached": self._transport.take_attached()}
 
     def shutdown(self) -> None:
         for server in self._servers:

@@ -257,3 +257,30 @@ class ReadAck:
     def validate(self) -> None:
         _check_transfer_id(self)
         _check_text(self, "error", self.error)
+
+
+@message("prefill_load")
+@dataclass(frozen=True)
+class PrefillLoad:
+    """P -> D (adaptive placement): prompt tokens P has accepted and not yet computed, and what
+    its steps cost (learnt from the steps it ran), measured at unix time `at`. D estimates how
+    long a prompt it sends now waits at P. `prefill_host`:`prefill_handshake_port` names the
+    P (as the router's kv_transfer_params do)."""
+
+    prefill_host: str
+    prefill_handshake_port: int
+    queued_tokens: int
+    per_token_s: float
+    overhead_s: float
+    budget: int
+    at: float
+
+    def validate(self) -> None:
+        _check(0 < len(self.prefill_host) <= 255, type(self), "prefill_host must be a host name")
+        _check(0 < self.prefill_handshake_port < 65536, type(self), "prefill_handshake_port is not a port")
+        _check(0 <= self.queued_tokens < 1 << 40, type(self), f"queued_tokens {self.queued_tokens} out of range")
+        _check(0 < self.budget < 1 << 30, type(self), f"budget {self.budget} out of range")
+        for name in ("per_token_s", "overhead_s"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and 0 <= value < 60, type(self), f"{name} {value} is not a cost in seconds")
+        _check(math.isfinite(self.at), type(self), "at must be a finite unix time")

@@ -56,6 +56,7 @@ class UpOptions:
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     prefill_budget: int | None = None  # --max-num-batched-tokens of prefill instances (None: vLLM's default)
     decode_budget: int | None = None  # ... of decode instances; a PD decode instance's local prefill chunk
+    itl_target_ms: float | None = None  # adaptive placement: decode prefills locally only within this ITL
     num_prefill: int = 1
     num_decode: int = 1
 
@@ -75,6 +76,8 @@ class UpOptions:
         for name, budget in (("prefill", self.prefill_budget), ("decode", self.decode_budget)):
             if budget is not None and not 16 <= budget <= 1 << 20:
                 raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
+        if self.itl_target_ms is not None and not 0 < self.itl_target_ms < 1e6:
+            raise ConfigError(f"ITL target {self.itl_target_ms} ms is not a positive number of milliseconds")
 
     def budget_args(self, role: str) -> tuple[str, ...]:
         """`--max-num-batched-tokens` for an instance of `role` (prefill|decode|both), if set."""

@@ -27,6 +27,13 @@ SAMPLES = {
     "error": "",
     "reply_host": "127.0.0.1",
     "reply_notify_port": 6401,
+    "prefill_host": "127.0.0.1",
+    "prefill_handshake_port": 6301,
+    "queued_tokens": 1024,
+    "per_token_s": 0.0005,
+    "overhead_s": 0.008,
+    "budget": 512,
+    "at": 1.0,
 }
 
 

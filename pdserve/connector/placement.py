@@ -1,0 +1,162 @@
+"""Per-request placement: prefill on P and decode on D (remote), or prefill on D itself (local).
+
+Decided by D's scheduler when a request's decode leg first asks for its KV, from the request's
+uncached prompt length and live load: P's published queue (a `PrefillLoad`, sent by P over the
+control plane) and D's own running decodes and local prefill backlog (`DecodeView`). Free of vLLM.
+
+`AdaptivePolicy` estimates the TTFT of each placement from measured step costs and picks the
+smaller one, but never prefills locally when one local chunk step would push D's running decodes
+past `itl_target_ms`: that is what disaggregation is for. `StaticPolicy` always disaggregates.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol
+
+from pdserve.connector.step_costs import Coefficients, StepCosts
+from pdserve.control.messages import PrefillLoad
+from pdserve.errors import ConfigError
+
+PLACEMENTS = ("static", "adaptive")
+
+
+class Placement(enum.Enum):
+    REMOTE = "remote"  # P prefills, KV moves to D
+    LOCAL = "local"  # D prefills in chunks; P's leg is dropped without running the prompt
+
+
+class Reason(enum.Enum):
+    STATIC = "static"  # the static policy
+    WARMING_UP = "warming_up"  # no cost estimates yet: disaggregate
+    REMOTE_FASTER = "remote_faster"
+    LOCAL_FASTER = "local_faster"
+    ITL_GUARD = "itl_guard"  # local would be faster, but a local chunk would break the ITL target
+
+
+@dataclass(frozen=True)
+class Decision:
+    placement: Placement
+    reason: Reason
+    ttft_local_s: float | None = None
+    ttft_remote_s: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.placement.value}:{self.reason.value}"
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    policy: str = "static"
+    wait_s: float = 2.0  # P: how long a prefill leg waits for D's decision before prefilling anyway
+    itl_target_ms: float = 50.0  # D: a local chunk step must stay under this while D decodes
+    transfer_overhead_ms: float = 20.0  # D: router hop + transfer + D's first step, added to remote TTFT
+
+    @property
+    def adaptive(self) -> bool:
+        return self.policy == "adaptive"
+
+
+PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "transfer_overhead_ms")
+
+
+def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
+    policy = str(extra.get("placement", "static"))
+    if policy not in PLACEMENTS:
+        raise ConfigError(f"kv_connector_extra_config.placement must be one of {', '.join(PLACEMENTS)}, got {policy!r}")
+    numbers = {}
+    for key, field in (("placement_wait", "wait_s"), ("itl_target_ms", "itl_target_ms"),
+                       ("transfer_overhead_ms", "transfer_overhead_ms")):
+        if key not in extra:
+            continue
+        value = extra[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"kv_connector_extra_config.{key} must be a number, got {value!r}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"kv_connector_extra_config.{key} must be a number, got {value!r}") from None
+        if not 0 <= number < 1e6 or (key != "transfer_overhead_ms" and number == 0):
+            raise ConfigError(f"kv_connector_extra_config.{key} out of range: {number}")
+        numbers[field] = number
+    return PlacementConfig(policy, **numbers)
+
+
+def drain_seconds(load: PrefillLoad, tokens: int) -> float:
+    """How long P takes to compute `tokens` prompt tokens, `load.budget` per step."""
+    steps = math.ceil(tokens / load.budget) if tokens > 0 else 0
+    return steps * load.overhead_s + tokens * load.per_token_s
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """D's side of the decision."""
+
+    running_decodes: int
+    local_backlog_tokens: int  # prompt tokens D decided to prefill itself and has not computed yet
+    remote_outstanding_tokens: int  # prompt tokens D sent to this P whose KV has not landed
+    budget: int  # D's --max-num-batched-tokens: decodes and local chunks share it
+    costs: Coefficients | None
+    knows_prefill: bool
+
+
+class PlacementPolicy(Protocol):
+    def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None) -> Decision: ...
+
+
+class StaticPolicy:
+    def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None) -> Decision:
+        return Decision(Placement.REMOTE, Reason.STATIC)
+
+
+class AdaptivePolicy:
+    def __init__(self, config: PlacementConfig, clock=time.time):
+        self._config = config
+        self._clock = clock
+
+    def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None) -> Decision:
+        local_costs = self._local_costs(view, load)
+        if local_costs is None or load is None and not view.knows_prefill:
+            return Decision(Placement.REMOTE, Reason.WARMING_UP)
+        remote = self._remote_ttft(uncached_tokens, view, load, local_costs)
+        local, chunk_step = self._local_ttft(uncached_tokens, view, local_costs)
+        if local >= remote:
+            return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote)
+        if view.running_decodes > 0 and chunk_step * 1000 > self._config.itl_target_ms:
+            return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote)
+        return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)
+
+    def _local_costs(self, view: DecodeView, load: PrefillLoad | None) -> Coefficients | None:
+        """D's step costs; until D has prefilled anything itself, its per-token cost is P's."""
+        if view.costs is None:
+            return None
+        if view.knows_prefill or load is None:
+            return view.costs
+        return Coefficients(view.costs.overhead_s, load.per_token_s, view.costs.per_decode_s)
+
+    def _remote_ttft(self, tokens: int, view: DecodeView, load: PrefillLoad | None, costs: Coefficients) -> float:
+        if load is None:
+            load = PrefillLoad("-", 1, 0, costs.per_prefill_token_s, costs.overhead_s, max(tokens, 1), self._clock())
+        age = max(0.0, self._clock() - load.at)
+        drained = int(age / load.per_token_s) if load.per_token_s > 0 else load.queued_tokens
+        queued = max(load.queued_tokens - drained, view.remote_outstanding_tokens, 0)
+        return drain_seconds(load, queued + tokens) + self._config.transfer_overhead_ms / 1000
+
+    def _local_ttft(self, tokens: int, view: DecodeView, costs: Coefficients) -> tuple[float, float]:
+        """(TTFT of a local prefill behind D's local backlog, wall time of one chunk step)."""
+        chunk = max(1, view.budget - view.running_decodes)
+        total = view.local_backlog_tokens + tokens
+        step = costs.step_seconds(min(chunk, total), view.running_decodes)
+        return math.ceil(total / chunk) * step, costs.step_seconds(min(chunk, tokens), view.running_decodes)
+
+
+def make_policy(config: PlacementConfig) -> PlacementPolicy:
+    return AdaptivePolicy(config) if config.adaptive else StaticPolicy()
+
+
+__all__ = ["AdaptivePolicy", "Decision", "DecodeView", "Placement", "PlacementConfig", "PlacementPolicy",
+           "Reason", "StaticPolicy", "StepCosts", "drain_seconds", "make_policy", "parse_placement", "PLACEMENT_KEYS"]

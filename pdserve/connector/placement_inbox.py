@@ -1,0 +1,65 @@
+"""PlacementInbox: the worker half's side of per-request placement.
+
+P: prefill legs waiting for their decode instance's decision, and the decisions that arrived (D's
+RemoteBlocks means "prefill here", D's Release before any send means "D prefills it"). D: the
+latest load each prefill instance published. The scheduler half collects both once per step as
+`WorkerNews`. Runs on the worker thread only. Free of vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from pdserve.connector.metadata import AwaitSpec, WorkerNews
+from pdserve.control.messages import PrefillLoad
+
+MAX_AWAITING = 4096
+PUBLISH_EVERY_S = 0.02  # P sends its load to its decode instances at most this often
+
+
+class PlacementInbox:
+    def __init__(self, expiry_s: float):
+        self._expiry_s = expiry_s
+        self._awaiting: OrderedDict[str, tuple[str, float]] = OrderedDict()  # transfer id -> (request id, expiry)
+        self._news = WorkerNews()
+        self._next_publish = 0.0
+
+    # ---- P ---------------------------------------------------------------------------------
+
+    def expect(self, spec: AwaitSpec, known: bool | None) -> None:
+        """A prefill leg asks for its decision; `known` when the engine already has D's word."""
+        if known is not None:
+            self._news.decided[spec.request_id] = known
+            return
+        self._awaiting[spec.transfer_id] = (spec.request_id, time.monotonic() + self._expiry_s)
+        while len(self._awaiting) > MAX_AWAITING:
+            self._awaiting.popitem(last=False)
+
+    def decided(self, transfer_id: str, prefill_here: bool) -> None:
+        entry = self._awaiting.pop(transfer_id, None)
+        if entry is not None:
+            self._news.decided[entry[0]] = prefill_here
+
+    def publish_due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_publish:
+            return False
+        self._next_publish = now + PUBLISH_EVERY_S
+        return True
+
+    # ---- D ---------------------------------------------------------------------------------
+
+    def on_load(self, load: PrefillLoad) -> None:
+        self._news.loads[(load.prefill_host, load.prefill_handshake_port)] = load
+
+    # ---- both ------------------------------------------------------------------------------
+
+    def take(self) -> WorkerNews | None:
+        now = time.monotonic()
+        while self._awaiting and next(iter(self._awaiting.values()))[1] < now:
+            self._awaiting.popitem(last=False)
+        if not self._news:
+            return None
+        news, self._news = self._news, WorkerNews()
+        return news

@@ -1,0 +1,155 @@
+"""Per-request placement: the policy's decisions, the step-cost fit, P's gate, the worker's inbox."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import parse_connector_config
+from pdserve.connector.metadata import AwaitSpec
+from pdserve.connector.placement import (AdaptivePolicy, DecodeView, Placement, PlacementConfig, Reason,
+                                         StaticPolicy, drain_seconds, parse_placement)
+from pdserve.connector.placement_inbox import PlacementInbox
+from pdserve.connector.prefill_gate import PrefillGate, Verdict
+from pdserve.connector.step_costs import Coefficients, StepCosts
+from pdserve.control.address import PeerAddress
+from pdserve.control.messages import PrefillLoad
+from pdserve.errors import ConfigError
+
+NOW = 1000.0
+COSTS = Coefficients(overhead_s=0.010, per_prefill_token_s=0.001, per_decode_s=0.001)  # AMD-like: 1 ms/token
+
+
+def load(queued: int, at: float = NOW, per_token_s: float = 0.001) -> PrefillLoad:
+    return PrefillLoad("127.0.0.1", 6301, queued, per_token_s, 0.005, 512, at)
+
+
+def view(running: int = 0, backlog: int = 0, outstanding: int = 0, budget: int = 64, costs=COSTS,
+         knows_prefill: bool = True) -> DecodeView:
+    return DecodeView(running, backlog, outstanding, budget, costs, knows_prefill)
+
+
+def policy(itl_target_ms: float = 1000.0) -> AdaptivePolicy:
+    return AdaptivePolicy(PlacementConfig("adaptive", itl_target_ms=itl_target_ms), clock=lambda: NOW)
+
+
+def test_static_policy_always_disaggregates():
+    decision = StaticPolicy().decide(5, view(), load(0))
+    assert (decision.placement, decision.reason) == (Placement.REMOTE, Reason.STATIC)
+
+
+def test_without_costs_it_disaggregates_while_warming_up():
+    assert policy().decide(512, view(costs=None), load(0)).reason is Reason.WARMING_UP
+    assert policy().decide(512, view(knows_prefill=False), None).reason is Reason.WARMING_UP
+
+
+def test_idle_prefill_takes_a_long_prompt():
+    decision = policy().decide(512, view(), load(0))
+    assert decision.placement is Placement.REMOTE and decision.reason is Reason.REMOTE_FASTER
+    assert decision.ttft_remote_s == pytest.approx(drain_seconds(load(0), 512) + 0.020)
+    assert decision.ttft_local_s > decision.ttft_remote_s
+
+
+def test_a_long_prefill_queue_sends_the_prompt_local():
+    decision = policy().decide(512, view(), load(4096))
+    assert decision.placement is Placement.LOCAL and decision.reason is Reason.LOCAL_FASTER
+    assert decision.ttft_local_s < decision.ttft_remote_s
+
+
+def test_the_itl_guard_keeps_decodes_smooth():
+    # 64-token chunk + 10 decodes: 10 + 54 + 10 = 74 ms per step > 50 ms target
+    decision = policy(itl_target_ms=50).decide(512, view(running=10), load(4096))
+    assert decision.placement is Placement.REMOTE and decision.reason is Reason.ITL_GUARD
+    # with nothing decoding there is no stream to protect
+    assert policy(itl_target_ms=50).decide(512, view(running=0), load(4096)).placement is Placement.LOCAL
+
+
+def test_a_published_queue_ages_and_d_counts_what_it_sent():
+    stale = load(4096, at=NOW - 10)  # drained 10 s ago at 1 ms/token
+    assert policy().decide(512, view(), stale).placement is Placement.REMOTE
+    assert policy().decide(512, view(outstanding=4096), stale).placement is Placement.LOCAL
+
+
+def test_d_local_backlog_counts_against_local():
+    assert policy().decide(64, view(), load(200)).placement is Placement.LOCAL
+    assert policy().decide(64, view(backlog=2000), load(200)).placement is Placement.REMOTE
+
+
+def test_until_d_prefilled_itself_it_assumes_p_per_token_cost():
+    slow_p = load(0, per_token_s=0.01)
+    d_unknown = view(costs=Coefficients(0.010, 0.0, 0.001), knows_prefill=False)
+    decision = policy().decide(64, d_unknown, slow_p)
+    assert decision.ttft_local_s == pytest.approx(0.010 + 64 * 0.01)
+
+
+def test_step_costs_fit_a_linear_model():
+    costs = StepCosts()
+    assert costs.coefficients() is None
+    for tokens, decodes in [(0, 4), (64, 2), (128, 0), (0, 10), (32, 8), (256, 1), (0, 1), (16, 16), (100, 3)] * 3:
+        costs.observe(0.008 + 0.0005 * tokens + 0.002 * decodes, tokens, decodes)
+    fit = costs.coefficients()
+    assert costs.knows_prefill
+    assert fit.overhead_s == pytest.approx(0.008, rel=0.05)
+    assert fit.per_prefill_token_s == pytest.approx(0.0005, rel=0.05)
+    assert fit.per_decode_s == pytest.approx(0.002, rel=0.05)
+    for _ in range(5):  # a few steps that compiled a kernel or lost the core do not move the fit
+        costs.observe(4.0, 64, 2)
+    assert costs.coefficients().per_prefill_token_s == pytest.approx(0.0005, rel=0.05)
+    fit = costs.coefficients()
+    costs.observe(-1, 5, 5)  # nonsense and empty steps teach nothing
+    costs.observe(0.1, 0, 0)
+    assert costs.coefficients() == fit
+
+
+def test_prefill_gate_waits_then_follows_d_or_times_out():
+    clock = [0.0]
+    gate = PrefillGate(1.0, clock=lambda: clock[0])
+    assert gate.verdict("a") is Verdict.ASK
+    assert gate.verdict("a") is Verdict.WAIT
+    gate.on_decisions({"a": False, "stranger": True})
+    assert gate.verdict("a") is Verdict.DROP and gate.dropped("a")
+    gate.on_decisions({"a": True})  # the first word is final
+    assert gate.verdict("a") is Verdict.DROP
+    assert gate.verdict("b") is Verdict.ASK
+    clock[0] = 1.5
+    assert gate.verdict("b") is Verdict.PREFILL and gate.num_timed_out == 1
+    gate.on_decisions({"b": False})  # too late: it is being prefilled
+    assert gate.verdict("b") is Verdict.PREFILL
+    gate.forget("a")
+    gate.forget("b")
+    assert len(gate) == 0
+
+
+def test_placement_inbox_reports_decisions_once():
+    inbox = PlacementInbox(expiry_s=60)
+    peer = PeerAddress("127.0.0.1", 1, 2)
+    inbox.expect(AwaitSpec("r1", "t1", peer), None)
+    inbox.expect(AwaitSpec("r2", "t2", peer), False)  # D's Release came first
+    inbox.decided("t1", True)
+    inbox.decided("t9", True)  # not awaited: nothing to report
+    inbox.on_load(load(7))
+    news = inbox.take()
+    assert news.decided == {"r1": True, "r2": False}
+    assert news.loads[("127.0.0.1", 6301)].queued_tokens == 7
+    assert inbox.take() is None
+
+
+def test_placement_config_is_parsed_once_with_clear_errors():
+    assert parse_placement({}).policy == "static"
+    cfg = parse_placement({"placement": "adaptive", "placement_wait": "0.5", "itl_target_ms": 80})
+    assert (cfg.adaptive, cfg.wait_s, cfg.itl_target_ms) == (True, 0.5, 80.0)
+    with pytest.raises(ConfigError, match="placement must be one of static, adaptive"):
+        parse_placement({"placement": "smart"})
+    with pytest.raises(ConfigError, match="itl_target_ms must be a number"):
+        parse_placement({"itl_target_ms": "fast"})
+    with pytest.raises(ConfigError, match="placement_wait out of range"):
+        parse_placement({"placement_wait": 0})
+    with pytest.raises(ConfigError, match="needs WRITE mode"):
+        parse_connector_config("kv_consumer", {"secret_file": "x", "placement": "adaptive", "read_mode": True})
+
+
+def test_prefill_load_message_is_validated():
+    from pdserve.errors import ProtocolError
+    with pytest.raises(ProtocolError, match="per_token_s"):
+        PrefillLoad("h", 1, 0, float("nan"), 0.0, 512, NOW).validate()
+    with pytest.raises(ProtocolError, match="queued_tokens"):
+        PrefillLoad("h", 1, -1, 0.001, 0.0, 512, NOW).validate()

@@ -1,0 +1,117 @@
+"""PDScheduler under adaptive placement: P's legs wait for D's word; D places each request."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pdserve.config import TransferMode
+from pdserve.connector.metadata import AwaitSpec, CancelSpec, DropSpec, WorkerNews
+from pdserve.connector.scheduler import PDScheduler
+from pdserve.control.messages import PrefillLoad
+from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
+from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, ROUTER_ID, FakeBlocks, FakeRequest, Scheduler,
+                                                  SchedulerOutput, consumer_params, producer_params)
+
+WRITE = TransferMode.WRITE
+
+
+@dataclass
+class Output:
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    kv_connector_worker_meta: object = None
+
+
+def adaptive(kv_role: str, **extra) -> Scheduler:
+    config = make_config(kv_role, WRITE, placement="adaptive", **extra)
+    return Scheduler(PDScheduler(config, BLOCK_SIZE, budget=64))
+
+
+def test_p_holds_a_leg_until_d_says_prefill_here():
+    s = adaptive("kv_producer")
+    request = FakeRequest(ROUTER_ID, producer_params(), 100)
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
+    assert meta.awaits == [AwaitSpec(ROUTER_ID, "tx-1", D_ADDRESS)]
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).awaits == []  # asked once
+    s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: True}))
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # prefill it here
+
+
+def test_p_drops_a_leg_d_prefills_itself_without_running_it():
+    s = adaptive("kv_producer")
+    request = FakeRequest(ROUTER_ID, producer_params(), 100)
+    s.scheduler.get_num_new_matched_tokens(request, 0)
+    s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: False}))
+    # the whole prompt is claimed as an external load, which the worker then reports failed
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (100, True)
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3, 4, 5, 6, 7]), 100)
+    meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
+    assert meta.drops == [DropSpec(ROUTER_ID)] and meta.sends == [] and meta.cancels == []
+    assert s.scheduler.request_finished(request, [1, 2, 3]) == (False, None)  # nothing held
+
+
+def test_p_prefills_anyway_when_d_stays_silent():
+    s = adaptive("kv_producer", placement_wait=0.05)
+    request = FakeRequest(ROUTER_ID, producer_params(), 100)
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    time.sleep(0.06)
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_a_plain_request_on_p_is_not_held():
+    s = adaptive("kv_producer")
+    assert s.scheduler.get_num_new_matched_tokens(FakeRequest("plain", None, 100), 0) == (0, False)
+
+
+def test_p_publishes_its_queue_once_it_knows_its_costs():
+    s = adaptive("kv_producer")
+    request = FakeRequest(ROUTER_ID, producer_params(), 1000)
+    s.scheduler.get_num_new_matched_tokens(request, 0)
+    s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: True}))
+    s.scheduler.get_num_new_matched_tokens(request, 0)
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([]), 0)
+    s.kv.blocks[ROUTER_ID] = list(range(64))
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).load is None  # no costs yet
+    for _ in range(10):
+        s.scheduler.build_connector_meta(SchedulerOutput({"other": 64}))
+        s.scheduler.update_connector_output(Output())
+    load = s.scheduler.build_connector_meta(SchedulerOutput({})).load
+    assert isinstance(load, PrefillLoad)
+    assert (load.prefill_host, load.prefill_handshake_port, load.queued_tokens, load.budget) == \
+        (P_ADDRESS.host, P_ADDRESS.handshake_port, 1000, 64)
+
+
+def _teach_d(s: Scheduler, step_s: float = 0.005) -> None:
+    """Ten decode steps of `step_s` each."""
+    for _ in range(10):
+        s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 1}))
+        time.sleep(step_s)
+        s.scheduler.update_connector_output(Output())
+
+
+def test_d_prefills_locally_when_p_is_busy_and_tells_p():
+    s = adaptive("kv_consumer")
+    _teach_d(s)
+    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
+    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): busy}))
+    request = FakeRequest(ROUTER_ID, consumer_params(), 40)
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 0)
+    meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
+    assert meta.recvs == [] and meta.placements == ["local:local_faster"]
+    assert meta.cancels == [CancelSpec("tx-1", P_ADDRESS, "decode computes this prompt itself")]
+
+
+def test_d_sends_to_an_idle_p_and_counts_the_decision():
+    s = adaptive("kv_consumer")
+    _teach_d(s)
+    idle = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 0, 0.00001, 0.0, 512, time.time())
+    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): idle}))
+    request = FakeRequest(ROUTER_ID, consumer_params(), 4000)  # ~65 local chunk steps of >= 5 ms
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (4000, True)
+    s.scheduler.update_state_after_alloc(request, FakeBlocks(range(250)), 4000)
+    meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
+    assert [r.transfer_id for r in meta.recvs] == ["tx-1"] and meta.placements == ["remote:remote_faster"]
