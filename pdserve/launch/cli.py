@@ -16,7 +16,7 @@ from pathlib import Path
 from pdserve.errors import LaunchError
 from pdserve.launch.cluster import Cluster
 from pdserve.launch.env import runs_dir
-from pdserve.launch.modes import mode_descriptions
+from pdserve.launch.modes import Deployment, mode_descriptions
 from pdserve.launch.options import DEFAULT_DRAIN_TIMEOUT, DEFAULT_PORT, RESTART_POLICIES, UpOptions, parse_bytes
 
 
@@ -81,6 +81,12 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      num_decode=args.num_decode)
 
 
+def instance_lines(deployment: Deployment) -> list[str]:
+    """What `up` prints about each instance: name, URL, role and cores."""
+    return [f"  instance {spec.name}: {spec.url} ({spec.role}, cores {','.join(map(str, spec.cores))})"
+            for spec in deployment.instances]
+
+
 class _Terminated(Exception):
     pass
 
@@ -130,9 +136,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         cluster = started(options)
         print(f"OpenAI endpoint: {cluster.endpoint}/v1", flush=True)
-        for spec in cluster.deployment.instances:
-            print(f"  instance {spec.name}: {spec.url} ({spec.role}, cores {','.join(map(str, spec.cores))})",
-                  flush=True)
+        for line in instance_lines(cluster.deployment):
+            print(line, flush=True)
         if args.ready_file:
             args.ready_file.write_text(f"{cluster.endpoint}\n")
         print("Ctrl-C to stop", flush=True)

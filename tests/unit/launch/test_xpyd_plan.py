@@ -9,7 +9,7 @@ from pdserve.cli import build_parser
 from pdserve.connector.modes import PortLayout, pd_deployment
 from pdserve.errors import ConfigError
 from pdserve.launch import UpOptions, plan
-from pdserve.launch.cli import options_from
+from pdserve.launch.cli import instance_lines, options_from
 from pdserve.launch.cores import divide_cores, split
 
 
@@ -131,3 +131,11 @@ def test_cli_flags():
     subparsers = next(a for a in parser._actions if a.dest == "command")
     text = subparsers.choices["up"].format_help()
     assert "--prefill N" in text and "--decode M" in text
+
+
+def test_up_prints_every_instance_with_its_role_and_cores():
+    assert instance_lines(shape(2, 1)) == [
+        "  instance prefill0: http://127.0.0.1:29001 (prefill, cores 0)",
+        "  instance prefill1: http://127.0.0.1:29002 (prefill, cores 0)",
+        "  instance decode: http://127.0.0.1:29003 (decode, cores 1)",
+    ]
