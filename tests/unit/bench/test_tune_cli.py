@@ -82,3 +82,17 @@ def test_cli_workloads():
     assert shared.kind == "shared-prefix" and shared.prefix_len == 384 and shared.prefix_caching
     quick_shared = cli.build_plan(parse("--quick", "--workload", "shared-prefix")).workload
     assert quick_shared.prefix_len == 192 and quick_shared.prefix_len % 16 == 0
+
+
+def test_a_presets_optional_configuration_is_dropped_with_a_note_only_while_unregistered(monkeypatch):
+    from pdserve.bench.deployment import LauncherDeployer
+
+    plan = cli.build_plan(parse())
+    assert "adaptive" in plan.configs and plan.budgets("adaptive")
+    monkeypatch.setattr(LauncherDeployer, "unavailable", lambda self, c: "not registered" if c == "adaptive" else None)
+    kept, notes = cli.drop_unregistered(plan, explicit=False)
+    assert "adaptive" not in kept.configs and not kept.budgets("adaptive")
+    assert notes == ["adaptive: left out, its launcher mode is not registered yet."]
+    assert cli.drop_unregistered(plan, explicit=True) == (plan, [])  # asked for by --configs: the run refuses it
+    monkeypatch.setattr(LauncherDeployer, "unavailable", lambda self, c: None)
+    assert cli.drop_unregistered(plan, explicit=False) == (plan, [])
