@@ -43,6 +43,7 @@ class RoutedTransport(Transport):
         self.policy = policy
         self._backends = {"shm": shm} if nixl is None else {"shm": shm, "nixl": nixl}
         self._routes: dict[str, str] = {}
+        self._attached: list[str] = []  # the backend of each attach since `take_attached`
 
     @property
     def shm(self) -> Transport:
@@ -84,7 +85,14 @@ class RoutedTransport(Transport):
             self._backends["nixl"].attach_peer(peer_id, descriptors, route.nixl_metadata)
         else:
             self.shm.attach_peer(peer_id, descriptors)
+        if self._routes.get(peer_id) != name:
+            self._attached.append(name)
         self._routes[peer_id] = name
+
+    def take_attached(self) -> list[str]:
+        """The backend ("shm" or "nixl") of every peer attached since the last call (for metrics)."""
+        attached, self._attached = self._attached, []
+        return attached
 
     def transport_of(self, peer_id: str) -> str | None:
         """"shm" or "nixl" for an attached peer, None for an unknown one."""

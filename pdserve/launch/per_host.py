@@ -1,0 +1,129 @@
+"""What one machine of a multi-host PD deployment runs: `pdserve instance` and `pdserve router`.
+
+    host A (10.0.0.1):  pdserve router --host-ip 10.0.0.1
+                        pdserve instance --role prefill --router 10.0.0.1:8002 --host-ip 10.0.0.1 --model DIR
+    host B (10.0.0.2):  pdserve instance --role decode  --router 10.0.0.1:8002 --host-ip 10.0.0.2 --model DIR
+
+The router is vllm-router in PD mode with discovery: instances register at its discovery address
+(`--router`), so it needs no list of URLs. Each instance is one `vllm serve` with PDConnector whose
+HTTP, handshake and notify ports bind `--host-ip`; peers in `--allowed-peers` may reach them. Every
+process of the deployment must read the same `--secret-file` (the control plane's shared key).
+The transport defaults to `auto`: shared memory between instances that prove they share a host,
+NIXL across hosts. These builders return argv and environment; the CLI execs them in the foreground.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.errors import ConfigError
+from pdserve.launch.env import cache_dir, vllm_env
+from pdserve.launch.router import router_binary
+
+ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str, what: str) -> Endpoint:
+        host, sep, port = text.rpartition(":")
+        try:
+            ipaddress.ip_address(host)
+            number = int(port)
+        except ValueError:
+            raise ConfigError(f"{what} must be IP:PORT, got {text!r}") from None
+        if not sep or not 0 < number < 65536:
+            raise ConfigError(f"{what} must be IP:PORT, got {text!r}")
+        return cls(host, number)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class InstanceOptions:
+    role: str  # prefill | decode
+    router: Endpoint  # the router's discovery address
+    host_ip: str
+    model: str
+    secret_file: Path
+    mode: str = "write"  # write | read
+    port: int = 8100  # HTTP; handshake and notify take port+1, port+2 unless given
+    handshake_port: int | None = None
+    notify_port: int | None = None
+    transport: str = "auto"
+    allowed_peers: tuple[str, ...] = ()  # default: this host and the router's
+    cores: tuple[int, ...] = ()
+    connector_extra: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config keys
+    vllm_args: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ConfigError(f"--role must be prefill or decode, got {self.role!r}")
+        if self.mode not in ("write", "read"):
+            raise ConfigError(f"--mode must be write or read, got {self.mode!r}")
+        try:
+            ipaddress.ip_address(self.host_ip)
+        except ValueError:
+            raise ConfigError(f"--host-ip must be an IP address of this host, got {self.host_ip!r}") from None
+        if not self.secret_file.is_file():
+            raise ConfigError(f"--secret-file {self.secret_file} does not exist (copy the deployment's secret here)")
+
+
+def instance_command(o: InstanceOptions) -> tuple[list[str], dict[str, str]]:
+    """`vllm serve` with PDConnector for one host (argv, environment to add)."""
+    handshake = o.handshake_port or o.port + 1
+    notify = o.notify_port or o.port + 2
+    extra = {
+        "read_mode": o.mode == "read",
+        "host_ip": o.host_ip,
+        "http_port": o.port,
+        "handshake_port": handshake,
+        "notify_port": notify,
+        "proxy_ip": o.router.host,
+        "proxy_ping_port": o.router.port,
+        "secret_file": str(o.secret_file),
+        "transport": o.transport,
+        "allowed_peers": list(o.allowed_peers or (o.host_ip, o.router.host)),
+        **dict(o.connector_extra),
+    }
+    config = {"kv_connector": "PDConnector", "kv_connector_module_path": "pdserve.connector",
+              "kv_role": ROLES[o.role], "kv_connector_extra_config": extra}
+    argv = [sys.executable, "-m", "pdserve.vllm_cli", "serve", o.model, "--host", o.host_ip, "--port", str(o.port),
+            *o.vllm_args, "--kv-transfer-config", json.dumps(config)]
+    scratch = cache_dir() / "tmp" / f"{o.role}-{o.host_ip}-{o.port}-{os.getpid()}"
+    env = vllm_env(scratch)
+    if o.cores:
+        cpu_list = ",".join(map(str, o.cores))
+        argv = ["taskset", "-c", cpu_list, *argv]
+        env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_list, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    return argv, env
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    host_ip: str
+    port: int = 8000  # clients; Prometheus port+1, discovery port+2 unless given
+    prometheus_port: int | None = None
+    discovery_port: int | None = None
+
+    @property
+    def discovery(self) -> Endpoint:
+        return Endpoint(self.host_ip, self.discovery_port or self.port + 2)
+
+
+def router_command(o: RouterOptions) -> list[str]:
+    """vllm-router in PD mode, instances registering at `o.discovery` (MoRIIO's protocol)."""
+    return [router_binary(), "--host", o.host_ip, "--port", str(o.port), "--prometheus-host", o.host_ip,
+            "--prometheus-port", str(o.prometheus_port or o.port + 1), "--policy", "round_robin",
+            "--prefill-policy", "round_robin", "--decode-policy", "random", "--log-level", "warning",
+            "--vllm-pd-disaggregation", "--kv-connector", "moriio", "--vllm-discovery-address", str(o.discovery)]

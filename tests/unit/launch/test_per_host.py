@@ -1,0 +1,44 @@
+"""The per-host commands: what `pdserve instance` and `pdserve router` would run."""
+
+import json
+
+import pytest
+
+from pdserve.errors import ConfigError
+from pdserve.launch.per_host import Endpoint, InstanceOptions, RouterOptions, instance_command, router_command
+
+
+def test_an_instance_binds_its_host_ip_and_registers_at_the_router(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"k" * 32)
+    argv, env = instance_command(InstanceOptions(
+        role="decode", router=Endpoint.parse("10.200.0.1:30002", "--router"), host_ip="10.200.0.2",
+        model="/models/tiny", secret_file=secret, mode="read", port=30110, allowed_peers=("10.200.0.0/24",),
+        cores=(1,), vllm_args=("--enforce-eager",)))
+    assert argv[:3] == ["taskset", "-c", "1"] and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert argv[argv.index("--host") + 1] == "10.200.0.2" and argv[argv.index("--port") + 1] == "30110"
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    extra = config["kv_connector_extra_config"]
+    assert config["kv_role"] == "kv_consumer" and extra["read_mode"] is True
+    assert (extra["host_ip"], extra["handshake_port"], extra["notify_port"]) == ("10.200.0.2", 30111, 30112)
+    assert (extra["proxy_ip"], extra["proxy_ping_port"], extra["transport"]) == ("10.200.0.1", 30002, "auto")
+    assert extra["allowed_peers"] == ["10.200.0.0/24"] and extra["secret_file"] == str(secret)
+
+
+def test_the_router_runs_pd_mode_with_discovery_on_its_host_ip():
+    argv = router_command(RouterOptions("10.200.0.1", 30000))
+    assert argv[argv.index("--host") + 1] == "10.200.0.1"
+    assert argv[argv.index("--vllm-discovery-address") + 1] == "10.200.0.1:30002"
+    assert "--vllm-pd-disaggregation" in argv
+
+
+@pytest.mark.parametrize("text", ["10.0.0.1", "host:80", "10.0.0.1:0", "10.0.0.1:x"])
+def test_a_malformed_router_address_is_refused(text):
+    with pytest.raises(ConfigError, match="IP:PORT"):
+        Endpoint.parse(text, "--router")
+
+
+def test_a_missing_secret_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="secret-file"):
+        InstanceOptions(role="prefill", router=Endpoint("10.0.0.1", 1), host_ip="10.0.0.2", model="m",
+                        secret_file=tmp_path / "none")
