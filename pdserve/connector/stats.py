@@ -19,7 +19,6 @@ from pdserve.connector.engine import TransferStats
 _EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": [],
           "placements": [], "prefill_queued_tokens": []}
 _EMPTY["peers_attached"] = []  # "shm" or "nixl" per peer incarnation attached (transport/nixl_auto.py)
-_EMPTY["peers_attached"] = []  # "shm" or "nixl" per peer incarnation attached (transport/nixl_auto.py)
 _LISTS = tuple(k for k, v in _EMPTY.items() if isinstance(v, list))  # one entry per event: concatenated
 _SUMMED = tuple(k for k in _EMPTY if k not in _LISTS)
 
@@ -111,7 +110,6 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._size = histogram("pdserve:kv_transfer_size_bytes", "Bytes of KV delivered per completed transfer.",
                                SIZE_BUCKETS_BYTES)
         self._peers_attached = _per_transport(self._counter_cls, labelnames, per_engine_labelvalues)
-        self._peers_attached = _per_transport(self._counter_cls, labelnames, per_engine_labelvalues)
         self._handshake = histogram("pdserve:kv_handshake_duration_seconds",
                                     "Seconds from handshake request to reply, per answered handshake.",
                                     DURATION_BUCKETS_S)
@@ -135,8 +133,6 @@ class PDPromMetrics(KVConnectorPromMetrics):
             self._handshake[engine_idx].observe(seconds)
         for transport in transfer_stats_data.get("peers_attached", []):
             self._peers_attached[engine_idx][transport].inc()
-        for transport in transfer_stats_data.get("peers_attached", []):
-            self._peers_attached[engine_idx][transport].inc()
         for label in transfer_stats_data.get("placements", []):
             self._placement_child(engine_idx, label).inc()
         queue = transfer_stats_data.get("prefill_queued_tokens", [])
@@ -149,15 +145,6 @@ class PDPromMetrics(KVConnectorPromMetrics):
             placement, _, reason = label.partition(":")
             self._placement_children[key] = self._placement_metric.labels(*self._labels[engine_idx], placement, reason)
         return self._placement_children[key]
-
-
-def _per_transport(counter_cls, labelnames, per_engine_labelvalues) -> dict[int, dict[str, Any]]:
-    """`pdserve:kv_peers_attached_total{transport=shm|nixl}`: peer incarnations attached, by the
-    transport that reaches them (shm only for a peer proven on this host)."""
-    metric = counter_cls(name="pdserve:kv_peers_attached", labelnames=[*labelnames, "transport"],
-                         documentation="Peer incarnations attached, by the transport that reaches them.")
-    return {idx: {t: metric.labels(*values, t) for t in ("shm", "nixl")}
-            for idx, values in per_engine_labelvalues.items()}
 
 
 def _per_transport(counter_cls, labelnames, per_engine_labelvalues) -> dict[int, dict[str, Any]]:
