@@ -189,7 +189,7 @@ class TransferEngine:
     def pump(self, wait_s: float = 0.0) -> None:
         """Apply inbox events, completed copies and deadlines. With `wait_s`, block up to that
         long for the first event when transfers are active (saves an idle engine loop's CPU)."""
-        if wait_s > 0 and self._transfers and self._inbox.empty():
+        if wait_s > 0 and (self._transfers or self._placement.waiting) and self._inbox.empty():
             try:
                 self._apply(self._inbox.get(timeout=wait_s))
             except queue.Empty:

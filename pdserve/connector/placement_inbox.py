@@ -36,6 +36,11 @@ class PlacementInbox:
         while len(self._awaiting) > MAX_AWAITING:
             self._awaiting.popitem(last=False)
 
+    @property
+    def waiting(self) -> bool:
+        """Legs wait for D's word: an idle step may block briefly for it instead of spinning."""
+        return bool(self._awaiting)
+
     def decided(self, transfer_id: str, prefill_here: bool) -> None:
         entry = self._awaiting.pop(transfer_id, None)
         if entry is not None:
