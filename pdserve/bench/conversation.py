@@ -57,8 +57,8 @@ def _words() -> list[str]:
 
 async def _turn(session, url: str, model: str, messages: list[dict], output_len: int) -> tuple[TurnResult, str]:
     body = {"model": model, "messages": messages, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    result, answer, last = TurnResult(start_s=time.perf_counter()), [], None
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    result, answer, last, tokens = TurnResult(start_s=time.perf_counter()), [], None, 0
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -69,24 +69,27 @@ async def _turn(session, url: str, model: str, messages: list[dict], output_len:
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
-                if chunk.get("usage"):
-                    result.input_len = int(chunk["usage"]["prompt_tokens"])
-                    result.output_len = int(chunk["usage"]["completion_tokens"])
                 text = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
-                if not text:
+                answer.append(text)
+                usage = chunk.get("usage")
+                if usage:
+                    result.input_len = int(usage["prompt_tokens"])
+                    result.output_len = int(usage["completion_tokens"])
+                # a chunk that brings tokens (by the running usage count; tokens may decode to no text)
+                if not (result.output_len > tokens if usage else text):
                     continue
+                tokens = result.output_len if usage else tokens
                 now = time.perf_counter()
                 if last is None:
                     result.ttft_s = now - result.start_s
-                else:
+                elif chunk.get("choices"):
                     result.itls_s.append(now - last)
                 last = now
-                answer.append(text)
     except (OSError, asyncio.TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.latency_s = time.perf_counter() - result.start_s
     if not result.error and last is None:
-        result.error = "no content"
+        result.error = "no tokens"
     return result, "".join(answer)
 
 
