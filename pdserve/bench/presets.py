@@ -54,7 +54,7 @@ PRESETS: dict[str, BenchPlan] = {
     "quick": BenchPlan(
         configs=("collocated", "write", "adaptive"),  # collocated's points run on the calibration deployment
         rates=(),
-        rate_fractions=(0.5, 1.0),
+        rate_fractions=(0.5, 1.2),
         seeds=(1, 2),
         workload=Workload(input_len=256, output_len=32, num_prompts=20),
         slos=tuple(SLO.parse(s) for s in DEFAULT_SLOS),
