@@ -40,7 +40,10 @@ class TwoHostPD:
         self.mode = mode
         self.transports = {"prefill": "auto", "decode": "auto", **(transports or {})}
         self._scratch = tempfile.TemporaryDirectory(prefix="pdserve-two-host-")
-        self.log_dir = log_dir or Path(self._scratch.name) / "logs"
+        from pdserve.launch.env import cache_dir
+
+        # the processes' logs stay after the harness is gone, as the other PD tests' do
+        self.log_dir = log_dir or cache_dir() / "test-logs" / f"two-host-{mode}-{time.strftime('%H%M%S')}"
         self.hosts = TwoHosts(self.log_dir)
         self.connector_extra = {**TIMEOUTS, **(connector_extra or {})}
         self.instance_env = instance_env or {}

@@ -24,6 +24,7 @@ from pathlib import Path
 from pdserve.errors import ConfigError
 from pdserve.launch.env import cache_dir, vllm_env
 from pdserve.launch.router import router_binary
+from pdserve.launch.shm_namespace import confine
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -106,7 +107,9 @@ def instance_command(o: InstanceOptions) -> tuple[list[str], dict[str, str]]:
         cpu_list = ",".join(map(str, o.cores))
         argv = ["taskset", "-c", cpu_list, *argv]
         env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_list, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    return argv, env
+    # a private /dev/shm (as under `pdserve up`): what vLLM leaves there goes with the instance;
+    # the KV cache lives there too, so the limit is the machine's memory
+    return list(confine(tuple(argv), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")).argv), env
 
 
 @dataclass(frozen=True)
