@@ -160,7 +160,9 @@ class TransferEngine:
         self._placement.expect(spec, known)
 
     def drop(self, spec: DropSpec) -> None:
-        """P: D prefills this prompt itself; vLLM ends the leg when its 'load' is reported failed."""
+        """P: D prefills this prompt itself; vLLM ends the leg when its 'load' is reported over and
+        failed (vLLM's output aggregator passes on only failures of loads reported finished)."""
+        self._finished.recving.add(spec.request_id)
         self._finished.failed_recving.add(spec.request_id)
 
     def publish_load(self, load: PrefillLoad) -> None:

@@ -1,0 +1,74 @@
+"""TransferEngine under adaptive placement, two real engines: P learns D's decision from D's
+RemoteBlocks or Release (before or after its leg appears), a dropped leg is reported over and
+failed, and P's load reaches D."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.config import TransferMode
+from pdserve.connector.metadata import AwaitSpec, CancelSpec, DropSpec
+from pdserve.control.messages import PrefillLoad
+from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, Pair
+from tests.unit.connector.test_engine_write import recv_spec
+
+WRITE = TransferMode.WRITE
+
+
+def news(pair: Pair) -> dict:
+    out = pair.p.engine.take_news()
+    return dict(out.decided) if out else {}
+
+
+def test_remote_blocks_before_or_after_the_leg_mean_prefill_here():
+    with Pair(WRITE) as pair:
+        pair.d.engine.add_recv(recv_spec(transfer_id="early"))  # D announces before P's leg arrives
+        pair.pump_until(lambda: "early" in pair.p.engine._early)
+        pair.p.engine.await_decision(AwaitSpec("leg-early", "early", D_ADDRESS))
+        pair.p.engine.await_decision(AwaitSpec("leg-late", "late", D_ADDRESS))
+        assert news(pair) == {"leg-early": True}
+        pair.d.engine.add_recv(recv_spec(request_id="req-d2", transfer_id="late"))
+        decided = {}
+        deadline = time.monotonic() + 5
+        while "leg-late" not in decided and time.monotonic() < deadline:
+            pair.pump()
+            decided.update(news(pair))
+        assert decided == {"leg-late": True}
+
+
+def test_a_release_means_dropped_and_a_drop_is_reported_over_and_failed():
+    with Pair(WRITE) as pair:
+        pair.p.engine.await_decision(AwaitSpec("leg", "t-local", D_ADDRESS))
+        pair.d.engine.cancel(CancelSpec("t-local", P_ADDRESS, "decode computes this prompt itself"))
+        decided = {}
+        deadline = time.monotonic() + 5
+        while "leg" not in decided and time.monotonic() < deadline:
+            pair.pump()
+            decided.update(news(pair))
+        assert decided == {"leg": False}
+        pair.p.engine.drop(DropSpec("leg"))
+        pair.p.pump()
+        assert "leg" in pair.p.recving and "leg" in pair.p.failed_recving
+        # a Release that came first (P never saw the leg) is remembered: the leg is dropped at once
+        pair.d.engine.cancel(CancelSpec("t-first", P_ADDRESS, "decode computes this prompt itself"))
+        pair.pump_until(lambda: "t-first" in pair.p.engine._terminal)
+        pair.p.engine.await_decision(AwaitSpec("leg2", "t-first", D_ADDRESS))
+        assert news(pair) == {"leg2": False}
+
+
+def test_p_load_reaches_d_rate_limited():
+    with Pair(WRITE) as pair:
+        pair.p.engine.await_decision(AwaitSpec("leg", "t1", D_ADDRESS))  # P handshakes D
+        pair.pump_until(lambda: pair.p.engine.num_peers == 1 and pair.p.engine._peers.ready())
+        load = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 777, 0.001, 0.01, 512, time.time())
+        pair.p.engine.publish_load(load)
+        pair.p.engine.publish_load(load)  # within 20 ms: not sent again
+        got = {}
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            pair.pump()
+            out = pair.d.engine.take_news()
+            got = dict(out.loads) if out else {}
+        assert got[(P_ADDRESS.host, P_ADDRESS.handshake_port)].queued_tokens == 777
+        sent = [s for s in pair.p.notifier.sent if isinstance(s.message, PrefillLoad)]
+        assert len(sent) == 1
