@@ -8,6 +8,8 @@ Cells (40 prompts each, greedy output compared with one collocated instance's):
   two-host-p-killed      two hosts, READ mode: P SIGKILLed while D reads a burst of long prompts
                          (its NIXL agent dies mid-transfer): every request ends (200 or error) within
                          the deadlines, D then serves alone, nothing is left
+  two-host-d-killed      two hosts, WRITE mode: D SIGKILLed mid-burst; P's blocks are freed
+  two-host-mismatch      two hosts, D with another KV block size: handshake refused, D recomputes
 Writes one JSON line per cell to benchmarks/nixl/check.jsonl (or --out) and prints a summary.
 Run as root, under the machine's vLLM slot: python scripts/nixl_check.py [--cells a,b]
 """
@@ -90,12 +92,57 @@ def two_host_p_killed(reference: list) -> dict:
     return {"ok": ok, "burst": outcome, "decode": d, "decode_alone": alone.summary(), "leftovers": hosts.leftovers()}
 
 
+def two_host_mismatch(reference: list) -> dict:
+    """D with another KV block size: the handshake is refused, D recomputes every prompt itself."""
+    with TwoHostPD("write", vllm_args={"decode": ("--block-size", "64")}) as pd:
+        result = compare_greedy(reference, pd.greedy(PROMPTS))
+        d = pd.metrics("decode")
+        counts = {**transfer_counts(d), "recomputed": metric(d, "pdserve:kv_recomputed_total")}
+        hosts = pd.hosts
+    ok = result.ok and counts["completed"] == 0 and not hosts.leftovers()
+    return {"ok": ok, "output": result.summary(), "decode": counts, "leftovers": hosts.leftovers()}
+
+
+def two_host_d_killed(reference: list) -> dict:
+    """D SIGKILLed during a WRITE-mode burst: P's held blocks are freed within defer_timeout."""
+    long_prompts = [p for p in PROMPTS if len(p) > 1000] * 4
+    with TwoHostPD("write") as pd:
+        outcome: dict = {}
+
+        def burst():
+            try:
+                outcome["outputs"] = len(pd.greedy(long_prompts, concurrency=8))
+            except RuntimeError as exc:
+                outcome["error"] = str(exc)[-300:]
+
+        thread = threading.Thread(target=burst)
+        thread.start()
+        time.sleep(4.0)
+        pd.hosts.stop(pd.processes["decode"], signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(300)
+        usage = 1.0
+        while time.monotonic() - killed < 90:
+            samples = pd.metrics("prefill")
+            usage = metric(samples, "vllm:kv_cache_usage_perc") + metric(samples, "vllm:num_requests_running")
+            if usage == 0:
+                break
+            time.sleep(2)
+        freed_after = round(time.monotonic() - killed, 1)
+        p = transfer_counts(pd.metrics("prefill"))
+        hosts = pd.hosts
+    ok = not thread.is_alive() and usage == 0 and not hosts.leftovers()
+    return {"ok": ok, "burst": outcome, "prefill": p, "p_idle_after_s": freed_after, "leftovers": hosts.leftovers()}
+
+
 CELLS = {
     "same-host-auto-write": lambda ref: same_host("write", "auto", "shm", ref),
     "same-host-nixl-read": lambda ref: same_host("read", "nixl", "nixl", ref),
     "two-host-auto-read": lambda ref: two_host("read", {}, ref),
     "two-host-nixl-write": lambda ref: two_host("write", {"decode": "nixl"}, ref),
     "two-host-p-killed": two_host_p_killed,
+    "two-host-d-killed": two_host_d_killed,
+    "two-host-mismatch": two_host_mismatch,
 }
 
 

@@ -34,7 +34,7 @@ class TwoHostPD:
 
     def __init__(self, mode: str = "write", transports: dict[str, str] | None = None, log_dir: Path | None = None,
                  connector_extra: dict | None = None, instance_env: dict[str, str] | None = None,
-                 model: str = "tiny", enforce_eager: bool = True):
+                 model: str = "tiny", enforce_eager: bool = True, vllm_args: dict[str, tuple[str, ...]] | None = None):
         from pdserve.launch.netns import TwoHosts
 
         self.mode = mode
@@ -49,6 +49,7 @@ class TwoHostPD:
         self.instance_env = instance_env or {}
         self.processes: dict[str, object] = {}
         self.model, self.enforce_eager = model, enforce_eager
+        self.vllm_args = vllm_args or {}  # more `vllm serve` arguments per role
 
     @property
     def router_url(self) -> str:
@@ -87,7 +88,8 @@ class TwoHostPD:
                 "--host-ip", self.hosts.ip(host), "--port", str(port), "--model", options.model,
                 "--secret-file", str(self.secret), "--mode", self.mode, "--transport", self.transports[role],
                 "--allowed-peers", NETWORK, "--cores", str(core),
-                "--connector-extra", json.dumps(self.connector_extra), "--", *options.vllm_args()]
+                "--connector-extra", json.dumps(self.connector_extra), "--", *options.vllm_args(),
+                *self.vllm_args.get(role, ())]
         return self.hosts.start(host, role, argv, env=self.instance_env)
 
     def __exit__(self, *exc_info) -> None:
@@ -112,7 +114,7 @@ class TwoHostPD:
 
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir=self._scratch.name) as f:
             json.dump(prompts, f)
-        out = self.client("greedy", "--url", url or self.router_url, "--models-url", self.url("prefill"),
+        out = self.client("greedy", "--url", url or self.router_url, "--models-url", url or self.url("prefill"),
                           "--prompts", f.name, "--concurrency", str(concurrency))
         return [[Step(t, lp, tuple(top)) for t, lp, top in gen] for gen in json.loads(out)]
 
