@@ -3,8 +3,9 @@ with 2 prefill + 1 decode and 1 prefill + 2 decode behind vllm-router. Every cel
 checks of tests/integration/test_xpyd.py (which runs two of the four cells in CI): the connector
 correctness check (40 prompts vs collocated, every instance took part), 40 prompts sharing a
 1,000-token prefix and 40 three-turn chat conversations (agree with collocated serving; D
-received only the blocks it lacked). Prints one line per check and writes
-benchmarks/xpyd/results.json and results.md.
+received only the blocks it lacked). Prints one line per check; after each cell it updates
+benchmarks/xpyd/results.json (cells run again replace their earlier result, the others stay)
+and results.md.
 
     .venv/bin/python scripts/xpyd_check.py [--cells write-2p1d read-1p2d ...] [--port 29400]
 """
@@ -94,10 +95,16 @@ def main() -> int:
     started = time.monotonic()
     refs = references({}, args.port + 20 * len(CELLS), batches)
     print(f"collocated reference: {time.monotonic() - started:.0f} s", flush=True)
-    results = [run_cell(name, args.port + 20 * i, refs, batches) for i, name in enumerate(args.cells)]
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
-    write_markdown(results, OUT / "results.md")
+    path = OUT / "results.json"
+    saved = {c["cell"]: c for c in json.loads(path.read_text())} if path.exists() else {}
+    results = []
+    for i, name in enumerate(args.cells):
+        results.append(run_cell(name, args.port + 20 * i, refs, batches))
+        saved[name] = results[-1]
+        ordered = [saved[c] for c in CELLS if c in saved]
+        path.write_text(json.dumps(ordered, indent=1, default=float) + "\n")
+        write_markdown(ordered, OUT / "results.md")
     passed = sum(c["ok"] for c in results)
     print(f"xpyd matrix: {passed}/{len(results)} cells pass in {time.monotonic() - started:.0f} s")
     return 0 if passed == len(results) else 1
