@@ -128,7 +128,8 @@ def _measure_command(args) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command")
     inner = sub.add_parser("measure", help="(inside a namespace) measure a running deployment")
     for name in ("--mode", "--router", "--prefill", "--decode"):
@@ -165,10 +166,9 @@ def main() -> int:
             else:
                 samples, size = same_host(config, mode, args, prompts)
             rows.append(summary(config, mode, samples, block_bytes(args.model_dir, size), args.seed))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            with args.out.open("a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
     return 0
 
 
