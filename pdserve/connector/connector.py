@@ -65,17 +65,6 @@ def _apply_load_failure_policy(transfer_config, policy: str) -> None:
     transfer_config.kv_load_failure_policy = policy
 
 
-def _placement_failure_policy(config) -> str:
-    """Under adaptive placement a prefill instance ends a leg that decode prefills itself by
-    failing its (claimed) KV load, which only vLLM's `fail` policy turns into an error instead of
-    a prefill. A prefill instance loads no real KV, so nothing else changes."""
-    from pdserve.config import Role
-
-    if config.placement.adaptive and config.role is Role.PRODUCER:
-        return "fail"
-    return config.load_failure_policy
-
-
 class PDWorkerNews(KVConnectorWorkerMetadata):
     """vLLM's worker -> scheduler metadata: carries the worker half's WorkerNews."""
 
@@ -107,7 +96,7 @@ class PDConnector(KVConnectorBase_V1):
         self._worker: PDWorker | None = None
         self._registration: RouterRegistration | None = None
         if role == KVConnectorRole.SCHEDULER:
-            _apply_load_failure_policy(transfer_config, _placement_failure_policy(self._config))
+            _apply_load_failure_policy(transfer_config, self._config.load_failure_policy)
             self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size,
                                           vllm_config.scheduler_config.max_num_batched_tokens)
             if self._config.proxy_ip:

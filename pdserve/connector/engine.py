@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.allowlist import PeerAllowList
 from pdserve.connector.layout import KvLayout
-from pdserve.connector.metadata import AwaitSpec, CancelSpec, DropSpec, HoldSpec, RecvSpec, SendSpec, WorkerNews
+from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, WorkerNews
 from pdserve.connector.placement_inbox import PlacementInbox
 from pdserve.connector.peers import HandshakeResult, Peer, PeerState, PeerTable
 from pdserve.connector.transfer import Side, Transfer, TransferState
@@ -158,12 +158,6 @@ class TransferEngine:
             known = None
             self._peers.lookup(spec.peer)  # handshake D now: its blocks and our load reports need it
         self._placement.expect(spec, known)
-
-    def drop(self, spec: DropSpec) -> None:
-        """P: D prefills this prompt itself; vLLM ends the leg when its 'load' is reported over and
-        failed (vLLM's output aggregator passes on only failures of loads reported finished)."""
-        self._finished.recving.add(spec.request_id)
-        self._finished.failed_recving.add(spec.request_id)
 
     def publish_load(self, load: PrefillLoad) -> None:
         """P: tell every decode instance we know how busy we are (rate-limited)."""

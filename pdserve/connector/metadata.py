@@ -69,14 +69,6 @@ class AwaitSpec:
     peer: PeerAddress
 
 
-@dataclass(frozen=True)
-class DropSpec:
-    """P: D prefills this prompt itself; report the leg's (fake) KV load as failed so vLLM ends
-    it with an error without running the prompt."""
-
-    request_id: str
-
-
 @dataclass
 class StepPlan:
     sends: list[SendSpec] = field(default_factory=list)
@@ -84,7 +76,6 @@ class StepPlan:
     recvs: list[RecvSpec] = field(default_factory=list)
     cancels: list[CancelSpec] = field(default_factory=list)
     awaits: list[AwaitSpec] = field(default_factory=list)
-    drops: list[DropSpec] = field(default_factory=list)
     load: PrefillLoad | None = None  # P, adaptive: what to publish to decode instances
     placements: list[str] = field(default_factory=list)  # D: decisions made this step ("local:local_faster")
     idle: bool = False  # no tokens scheduled this step: the worker may wait briefly for progress

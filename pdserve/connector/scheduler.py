@@ -16,7 +16,8 @@ from typing import Any
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.decode_load import DecodeLoad
 from pdserve.connector.guard import guarded
-from pdserve.connector.metadata import AwaitSpec, CancelSpec, DropSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
+from pdserve.connector.leg_truncation import truncate_to_one_token
+from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
 from pdserve.connector.placement import Decision, Placement, make_policy
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
 from pdserve.connector.prompt_digest import prompt_digest
@@ -49,6 +50,7 @@ class PDScheduler:
         self._gate = PrefillGate(config.placement.wait_s) if adaptive and config.role is Role.PRODUCER else None
         self._costs = StepCosts()
         self._accepted: dict[str, Any] = {}  # legs D wants prefilled here, until their prompt is computed
+        self._legs: dict[str, Any] = {}  # legs waiting for D's word
         # D, placement
         self._policy = make_policy(config.placement)
         self._decode_load = DecodeLoad(budget)
@@ -97,7 +99,7 @@ class PDScheduler:
             self._decode_load.landed(request_id)
         if news is not None:
             if self._gate is not None:
-                self._gate.on_decisions(news.decided)
+                self._gate.on_decisions(self._shrink_dropped(news.decided))
             self._decode_load.on_loads(news.loads)
 
     def _start_step(self, num_scheduled_tokens: dict[str, int]) -> None:
@@ -141,11 +143,7 @@ class PDScheduler:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self._config.role is Role.PRODUCER:
             if self._gate is not None and self._gate.dropped(request.request_id):
-                if num_external_tokens > 0:
-                    self._meta.drops.append(DropSpec(request.request_id))
-                    return
-                logger.warning("pdserve: request %s: vLLM would not hold the dropped leg; prefilling it",
-                               request.request_id)
+                return  # a one-token leg: nothing to send
             self._track_send(request)
         else:
             self._place(request, num_external_tokens)
@@ -163,8 +161,8 @@ class PDScheduler:
     # ---- P ---------------------------------------------------------------------------------
 
     def _gate_prefill(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Adaptive placement: hold a prefill leg until D decided; a dropped one claims its prompt
-        as an external load that the worker then fails (vLLM's `fail` policy ends it unrun)."""
+        """Adaptive placement: hold a prefill leg until D decided; one D prefills itself has been
+        cut to a one-token prompt (leg_truncation.py) and runs as that."""
         if self._gate is None:
             return 0, False
         rid = request.request_id
@@ -179,14 +177,24 @@ class PDScheduler:
         verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK:
             self._meta.awaits.append(AwaitSpec(rid, params.transfer_id, params.peer))
+            self._legs[rid] = request
         if verdict in (Verdict.ASK, Verdict.WAIT):
             return None, False
-        if verdict is Verdict.DROP:
-            count = request.num_prompt_tokens - num_computed_tokens
-            if count > 0:
-                return count, True
-        self._accepted[rid] = request
+        self._legs.pop(rid, None)
+        if verdict is Verdict.PREFILL:
+            self._accepted[rid] = request
         return 0, False
+
+    def _shrink_dropped(self, decided: dict[str, bool]) -> dict[str, bool]:
+        """D's decisions for waiting legs; a leg D prefills itself is cut to one token now, between
+        steps, or, if that cannot be done, prefilled after all."""
+        out = {}
+        for rid, prefill_here in decided.items():
+            request = self._legs.get(rid)
+            if request is None:
+                continue
+            out[rid] = prefill_here or not truncate_to_one_token(request)
+        return out
 
     def _prefill_load(self) -> PrefillLoad | None:
         costs = self._costs.coefficients()
@@ -245,6 +253,7 @@ class PDScheduler:
     def _finish_write_send(self, request) -> tuple[bool, None]:
         rid = request.request_id
         self._accepted.pop(rid, None)
+        self._legs.pop(rid, None)
         if self._gate is not None:
             self._gate.forget(rid)
         if rid in self._sending or rid in self._preempted:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import AwaitSpec, CancelSpec, DropSpec, WorkerNews
+from pdserve.connector.metadata import AwaitSpec, CancelSpec, WorkerNews
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.control.messages import PrefillLoad
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
@@ -40,17 +40,45 @@ def test_p_holds_a_leg_until_d_says_prefill_here():
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # prefill it here
 
 
-def test_p_drops_a_leg_d_prefills_itself_without_running_it():
+@dataclass
+class VllmLikeRequest(FakeRequest):
+    """The fields of vLLM's Request that leg_truncation.py changes."""
+
+    prompt_embeds: object = None
+    prompt_is_token_ids: object = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._all_token_ids = list(self.prompt_token_ids)
+        self.block_hashes = [f"h{i}" for i in range(self.num_prompt_tokens // BLOCK_SIZE)]
+
+
+def test_p_cuts_a_leg_d_prefills_itself_to_one_token():
     s = adaptive("kv_producer")
-    request = FakeRequest(ROUTER_ID, producer_params(), 100)
+    request = VllmLikeRequest(ROUTER_ID, producer_params(), 100)
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: False}))
+    # cut before vLLM schedules it again: one token, no full block, so nothing reaches P's prefix cache
+    assert (request.prompt_token_ids, request._all_token_ids, request.num_prompt_tokens, request.block_hashes) == \
+        ([0], [0], 1, [])
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    s.kv.blocks[ROUTER_ID] = [5]
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([5]), 0)
+    meta = s.scheduler.build_connector_meta(SchedulerOutput({ROUTER_ID: 1}))
+    assert meta.sends == [] and meta.cancels == []
+    assert s.scheduler.request_finished(request, [5]) == (False, None)  # nothing held
+
+
+def test_a_leg_that_cannot_be_cut_is_prefilled_after_all():
+    s = adaptive("kv_producer")
+    request = VllmLikeRequest(ROUTER_ID, producer_params(), 100, prompt_embeds=object())
     s.scheduler.get_num_new_matched_tokens(request, 0)
     s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: False}))
-    # the whole prompt is claimed as an external load, which the worker then reports failed
-    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (100, True)
-    s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3, 4, 5, 6, 7]), 100)
-    meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
-    assert meta.drops == [DropSpec(ROUTER_ID)] and meta.sends == [] and meta.cancels == []
-    assert s.scheduler.request_finished(request, [1, 2, 3]) == (False, None)  # nothing held
+    assert request.num_prompt_tokens == 100
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([]), 0)
+    s.kv.blocks[ROUTER_ID] = list(range(7))
+    assert len(s.scheduler.build_connector_meta(SchedulerOutput({ROUTER_ID: 100})).sends) == 1
 
 
 def test_p_prefills_anyway_when_d_stays_silent():

@@ -1,0 +1,47 @@
+"""Shrinking a prefill leg that decode prefills itself to a one-token prompt, on P.
+
+vllm-router 0.1.17 waits for the prefill leg's answer in WRITE mode and fails the client's
+request if it is an error, so a leg D took must still end with a 200. It must not run the prompt
+(that is the point) and must not leave anything in P's prefix cache. Before vLLM schedules it
+again, the leg's request is cut down to its first prompt token: vLLM then computes one token (a
+step the size of a decode), caches no block (a one-token prompt fills none) and answers;
+vllm-router discards that answer's token (the client's tokens come from D). The request is
+changed in place, between two steps, on the scheduler's thread, only while nothing of it has
+been computed or allocated; a request of another shape (prompt embeddings, a different vLLM) is
+left alone and prefilled as under static placement, which is always safe.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("pdserve.connector")
+
+_warned = False
+
+
+def truncate_to_one_token(request) -> bool:
+    """Cut `request` (a vLLM Request waiting with nothing computed) to its first prompt token;
+    False, and `request` untouched, when that cannot be done safely."""
+    global _warned
+    try:
+        prompt = request.prompt_token_ids
+        tokens = request._all_token_ids
+        ok = (isinstance(prompt, list) and isinstance(tokens, list) and len(prompt) >= 1
+              and getattr(request, "prompt_embeds", None) is None
+              and getattr(request, "prompt_is_token_ids", None) is None
+              and request.num_computed_tokens == 0 and len(tokens) == len(prompt) == request.num_prompt_tokens
+              and isinstance(request.block_hashes, list))
+    except AttributeError:
+        ok = False
+    if not ok:
+        if not _warned:
+            _warned = True
+            logger.warning("pdserve: cannot shrink prefill leg %s (unexpected request shape): prefilling it",
+                           getattr(request, "request_id", "?"))
+        return False
+    del prompt[1:]
+    del tokens[1:]
+    request.num_prompt_tokens = 1
+    request.block_hashes.clear()
+    return True
