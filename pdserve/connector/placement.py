@@ -35,6 +35,7 @@ class Reason(enum.Enum):
     REMOTE_FASTER = "remote_faster"
     LOCAL_FASTER = "local_faster"
     ITL_GUARD = "itl_guard"  # local would be faster, but a local chunk would break the ITL target
+    LONG_PROMPT = "long_prompt"  # more uncached tokens than max_local_tokens: always disaggregated
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,14 @@ class PlacementConfig:
     wait_s: float = 2.0  # P: how long a prefill leg waits for D's decision before prefilling anyway
     itl_target_ms: float = 50.0  # D: a local chunk step must stay under this while D decodes
     transfer_overhead_ms: float = 20.0  # D: router hop + transfer + D's first step, added to remote TTFT
+    max_local_tokens: float = float("inf")  # D: never prefill more uncached tokens than this itself
 
     @property
     def adaptive(self) -> bool:
         return self.policy == "adaptive"
 
 
-PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "transfer_overhead_ms")
+PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "transfer_overhead_ms", "max_local_tokens")
 
 
 def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
@@ -70,7 +72,7 @@ def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
         raise ConfigError(f"kv_connector_extra_config.placement must be one of {', '.join(PLACEMENTS)}, got {policy!r}")
     numbers = {}
     for key, field in (("placement_wait", "wait_s"), ("itl_target_ms", "itl_target_ms"),
-                       ("transfer_overhead_ms", "transfer_overhead_ms")):
+                       ("transfer_overhead_ms", "transfer_overhead_ms"), ("max_local_tokens", "max_local_tokens")):
         if key not in extra:
             continue
         value = extra[key]
@@ -80,7 +82,7 @@ def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
             number = float(value)
         except ValueError:
             raise ConfigError(f"kv_connector_extra_config.{key} must be a number, got {value!r}") from None
-        if not 0 <= number < 1e6 or (key != "transfer_overhead_ms" and number == 0):
+        if not 0 <= number < 1e9 or (key != "transfer_overhead_ms" and number == 0):
             raise ConfigError(f"kv_connector_extra_config.{key} out of range: {number}")
         numbers[field] = number
     return PlacementConfig(policy, **numbers)
@@ -119,6 +121,8 @@ class AdaptivePolicy:
         self._clock = clock
 
     def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None) -> Decision:
+        if uncached_tokens > self._config.max_local_tokens:
+            return Decision(Placement.REMOTE, Reason.LONG_PROMPT)
         local_costs = self._local_costs(view, load)
         if local_costs is None or load is None and not view.knows_prefill:
             return Decision(Placement.REMOTE, Reason.WARMING_UP)

@@ -57,7 +57,8 @@ def pd_cluster(mode: str, port: int, **connector_extra) -> Iterator[Cluster]:
     finally:
         cluster.stop()
     assert all(group_members(pid) == [] for pid in pids), "a process of the launch survived stop()"
-    assert all(port_free(p) for p in deployment.ports), "a port of the launch is still bound"
+    bound = [p for p in deployment.ports if not port_free(p)]
+    assert not bound, f"ports of the launch still bound: {bound}"
     leftovers = _segments() - segments_before
     assert not leftovers, f"shared memory left behind: {sorted(leftovers)}"
 

@@ -13,9 +13,10 @@ from tests.integration.pd_helpers import (collocated_reference, greedy, metric, 
 pytestmark = pytest.mark.integration
 
 PROMPTS = prompts()  # the connector correctness check's 40 prompts, 1 to ~1,800 tokens
-# A high ITL target lets D prefill locally at all on a loaded 2-core CI box; a 300 ms remote
-# overhead makes short prompts local and long ones remote, so both placements happen.
-ADAPTIVE = {"placement": "adaptive", "itl_target_ms": 100_000, "transfer_overhead_ms": 300}
+# Both placements must happen whatever the machine's speed: prompts over 900 uncached tokens (about
+# half of these) are always disaggregated, and a 300 ms remote overhead with a high ITL target makes
+# D prefill most of the shorter ones itself.
+ADAPTIVE = {"placement": "adaptive", "itl_target_ms": 100_000, "transfer_overhead_ms": 300, "max_local_tokens": 900}
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,13 @@ def test_adaptive_output_equals_collocated_with_both_placements(adaptive, refere
     assert moved("p", "pdserve:kv_transfers_completed_total") == remote
     assert moved("d", "pdserve:kv_transfers_completed_total") == remote
     assert moved("d", "pdserve:kv_recomputed_total") == 0
-    prefilled = sum(moved("p", "vllm:request_success_total", finished_reason=r) for r in ("length", "stop"))
-    assert prefilled == remote, "a leg D prefilled itself must not finish as a prefill on P"
+    # every prompt token is computed once, by P or by D, plus at most one token per leg on each side:
+    # a leg D prefilled itself ran on P as a one-token prompt, not as the whole prompt again
+    computed = moved("p", "vllm:prompt_tokens_by_source_total", source="local_compute") + \
+        moved("d", "vllm:prompt_tokens_by_source_total", source="local_compute")
+    total = sum(len(p) for p in PROMPTS)
+    print(f"prompt tokens: {total}, computed by P and D together: {computed:.0f}")
+    assert computed <= total + 2 * len(PROMPTS), "a prompt D prefilled itself was prefilled on P too"
 
 
 def test_nothing_is_held_after_adaptive_traffic(adaptive):

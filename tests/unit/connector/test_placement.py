@@ -69,6 +69,13 @@ def test_a_published_queue_ages_and_d_counts_what_it_sent():
     assert policy().decide(512, view(outstanding=4096), stale).placement is Placement.LOCAL
 
 
+def test_a_prompt_over_max_local_tokens_is_always_disaggregated():
+    capped = AdaptivePolicy(PlacementConfig("adaptive", itl_target_ms=1000, max_local_tokens=256), clock=lambda: NOW)
+    assert capped.decide(257, view(), load(100_000)).reason is Reason.LONG_PROMPT
+    assert capped.decide(256, view(), load(100_000)).placement is Placement.LOCAL
+    assert parse_placement({"max_local_tokens": 1000}).max_local_tokens == 1000
+
+
 def test_d_local_backlog_counts_against_local():
     assert policy().decide(64, view(), load(200)).placement is Placement.LOCAL
     assert policy().decide(64, view(backlog=2000), load(200)).placement is Placement.REMOTE
