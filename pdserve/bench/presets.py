@@ -59,7 +59,7 @@ PRESETS: dict[str, BenchPlan] = {
         workload=Workload(input_len=256, output_len=32, num_prompts=20),
         slos=tuple(SLO.parse(s) for s in DEFAULT_SLOS),
         model="tiny",
-        headline_rate=1.0,
+        headline_rate=1.2,  # the upper rate
         warmup_prompts=2,
     ),
 }
