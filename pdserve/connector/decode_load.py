@@ -14,6 +14,18 @@ from pdserve.control.address import PeerAddress
 from pdserve.control.messages import PrefillLoad
 
 
+def uncomputed_prompt_tokens(requests: dict) -> int:
+    """Prompt tokens the tracked requests have not computed yet; those with none left are dropped."""
+    total = 0
+    for rid, request in list(requests.items()):
+        left = request.num_prompt_tokens - request.num_computed_tokens
+        if left <= 0:
+            del requests[rid]
+        else:
+            total += left
+    return total
+
+
 class DecodeLoad:
     def __init__(self, budget: int):
         self.budget = budget
@@ -43,14 +55,7 @@ class DecodeLoad:
         return self._loads.get((peer.host, peer.handshake_port))
 
     def local_backlog(self) -> int:
-        backlog = 0
-        for rid, request in list(self._local.items()):
-            left = request.num_prompt_tokens - request.num_computed_tokens
-            if left <= 0:
-                del self._local[rid]
-            else:
-                backlog += left
-        return backlog
+        return uncomputed_prompt_tokens(self._local)
 
     def view(self, peer: PeerAddress) -> DecodeView:
         key = (peer.host, peer.handshake_port)

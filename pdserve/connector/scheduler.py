@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
-from pdserve.connector.decode_load import DecodeLoad
+from pdserve.connector.decode_load import DecodeLoad, uncomputed_prompt_tokens
 from pdserve.connector.guard import guarded
 from pdserve.connector.leg_truncation import truncate_to_one_token
 from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
@@ -200,13 +200,7 @@ class PDScheduler:
         costs = self._costs.coefficients()
         if costs is None:
             return None
-        queued = 0
-        for rid, request in list(self._accepted.items()):
-            left = request.num_prompt_tokens - request.num_computed_tokens
-            if left <= 0:
-                del self._accepted[rid]
-            else:
-                queued += left
+        queued = uncomputed_prompt_tokens(self._accepted)
         return PrefillLoad(self._config.host_ip, self._config.handshake_port, queued, costs.per_prefill_token_s,
                            costs.overhead_s, self._budget, time.time())
 
