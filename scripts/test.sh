@@ -4,4 +4,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/bootstrap.sh"
 cd "$root"
-exec "$root/.venv/bin/python" -m pytest -q -ra tests/unit tests/integration "$@"
+exec "$root/.venv/bin/python" -m pytest -q -ra --durations=40 tests/unit tests/integration "$@"

@@ -73,14 +73,18 @@ def test_any_prefill_pairs_with_any_decode(tmp_path: Path, mode):
         try:
             deadline = time.monotonic() + 30
             body = {"model": "m", "prompt": "hi", "max_tokens": 2}
-            while True:
+            names = {instance.name for instance in deployment.instances}
+            while True:  # until every worker has registered and served a leg
                 try:
-                    if requests.post(f"{router.url}/v1/completions", json=body, timeout=5).status_code == 200:
-                        break
+                    requests.post(f"{router.url}/v1/completions", json=body, timeout=5)
                 except requests.ConnectionError:
                     pass
-                assert time.monotonic() < deadline, f"router never routed: {process.log_tail()}"
-                time.sleep(0.3)
+                with _Worker.lock:
+                    if {name for _, name in _Worker.seen} == names:
+                        break
+                assert time.monotonic() < deadline, f"router never routed to all of {names}: {process.log_tail()}"
+                time.sleep(0.1)
+            time.sleep(0.3)
             _Worker.seen = []
             for _ in range(32):
                 assert requests.post(f"{router.url}/v1/completions", json=body, timeout=10).status_code == 200
