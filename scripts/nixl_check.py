@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdserve.compare import compare_greedy  # noqa: E402
-from scripts.two_host import TwoHostPD, metric  # noqa: E402
+from pdserve.errors import LaunchError  # noqa: E402
+from pdserve.launch.two_host import TwoHostPD, metric  # noqa: E402
 from tests.integration.pd_helpers import greedy, metrics, pd_cluster, pd_pair, prompts  # noqa: E402
 
 PROMPTS = prompts()
@@ -75,7 +76,7 @@ def two_host_p_killed(reference: list) -> dict:
             started = time.monotonic()
             try:
                 outcome["outputs"] = len(pd.greedy(long_prompts, concurrency=8))
-            except RuntimeError as exc:
+            except LaunchError as exc:
                 outcome["error"] = str(exc)[-300:]
             outcome["seconds"] = round(time.monotonic() - started, 1)
 
@@ -112,7 +113,7 @@ def two_host_d_killed(reference: list) -> dict:
         def burst():
             try:
                 outcome["outputs"] = len(pd.greedy(long_prompts, concurrency=8))
-            except RuntimeError as exc:
+            except LaunchError as exc:
                 outcome["error"] = str(exc)[-300:]
 
         thread = threading.Thread(target=burst)

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from pdserve.compare import compare_greedy
-from scripts.two_host import TwoHostPD, metric
+from pdserve.launch.two_host import TwoHostPD, metric
 from tests.integration.pd_helpers import collocated_reference, prompts
 
 pytestmark = pytest.mark.integration
