@@ -2,7 +2,8 @@
 
 Written ``default`` (vLLM's own, 2048 on CPU), ``256`` (every instance; for PD modes the prefill
 instance) or ``512/256`` (prefill instance / decode instance, PD modes only; with adaptive placement
-the decode budget is the chunk in which decode prefills a prompt itself).
+the decode budget is the chunk in which decode prefills a prompt itself). ``write-two-host`` and
+``read-two-host`` are write and read with P and D in two network namespaces: budgeted the same way.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 from pdserve.errors import ConfigError
 
 PLAIN_CONFIGS = ("collocated", "round-robin", "chunked")  # every instance prefills and decodes
-PD_CONFIGS = ("write", "read", "nixl", "adaptive")  # a prefill instance and a decode instance
+TWO_HOST_SUFFIX = "-two-host"
+TWO_HOST_CONFIGS = ("write" + TWO_HOST_SUFFIX, "read" + TWO_HOST_SUFFIX)  # P and D in two network namespaces
+PD_CONFIGS = ("write", "read", "nixl", "adaptive", *TWO_HOST_CONFIGS)  # a prefill instance and a decode instance
 
 
 @dataclass(frozen=True)

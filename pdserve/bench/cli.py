@@ -5,6 +5,7 @@
     pdserve bench --configs collocated,round-robin,write --rates 2,4,6 --out benchmarks/mine
     pdserve bench --workload decode-heavy --out benchmarks/decode-heavy
     pdserve bench --tune write=default,512,256 --tune adaptive=512/256,512/128
+    pdserve bench --configs write,write-two-host,read,read-two-host    # PD on one host vs across two namespaces (root)
     pdserve bench --report-only --out benchmarks/default [--slo gap30:ttft<1000,max_gap<30]
 
 Re-running the same command continues an interrupted run where it stopped; a results directory
@@ -19,6 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
+from pdserve.bench.budget import TWO_HOST_CONFIGS, TWO_HOST_SUFFIX
 from pdserve.bench.plan import KNOWN_CONFIGS, BenchPlan
 from pdserve.bench.deployment import BENCH_PORT
 from pdserve.bench.presets import OPTIONAL_CONFIGS, PRESETS, RATIONALE, WORKLOADS, preset, with_workload
@@ -93,6 +95,10 @@ def build_plan(args: argparse.Namespace) -> BenchPlan:
         if not sep:
             raise ConfigError(f"--tune {text!r} is not CONFIG=BUDGET,... (e.g. write=default,512)")
         candidates[config.strip()] = _strings(specs)
+    for config in over.get("configs", plan.configs):  # a two-host configuration is tuned like its one-host twin
+        twin = config.removesuffix(TWO_HOST_SUFFIX)
+        if twin != config and config not in candidates and twin in candidates:
+            candidates[config] = candidates[twin]
     over["candidates"] = tuple((c, specs) for c, specs in candidates.items() if specs)
     workload = {k: v for k, v in (("num_prompts", args.num_prompts), ("input_len", args.input_len),
                                   ("output_len", args.output_len), ("burstiness", args.burstiness)) if v is not None}
@@ -147,11 +153,19 @@ def run(args: argparse.Namespace) -> int:
     base = preset(args.preset)
     changed = [k for k, v in plan.to_json().items() if base.to_json()[k] != v]
     notes = [RATIONALE[args.preset] + (f" Overridden here: {', '.join(changed)}." if changed else ""), *dropped]
-    if "nixl" in plan.configs:
-        from pdserve.launch.nixl_mode import WORKAROUNDS_NOTE, ensure_nixl
+    two_host = any(c in TWO_HOST_CONFIGS for c in plan.configs)
+    if "nixl" in plan.configs or two_host:  # two hosts: the KV moves over pdserve's NIXL transport
+        from pdserve.launch.nixl_mode import ensure_nixl
 
         ensure_nixl()
+    if "nixl" in plan.configs:
+        from pdserve.launch.nixl_mode import WORKAROUNDS_NOTE
+
         notes.append(WORKAROUNDS_NOTE)
+    if two_host:
+        from pdserve.bench.two_host_deployment import NOTE
+
+        notes.append(NOTE)
     print(f"pdserve bench: {len(plan.configs)} configurations, about {estimate_s(plan) / 60:.0f} min from scratch "
           f"(estimate) -> {results.root}", file=sys.stderr)
     runner = Runner(plan, results, LauncherDeployer(port=args.port), resolve_model(plan.model), notes=notes)

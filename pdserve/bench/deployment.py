@@ -3,7 +3,9 @@
 A configuration name maps to a launcher mode (``chunked`` is round-robin with a small
 --max-num-batched-tokens) plus its token budgets (budget.py): plain configurations pass theirs to
 every instance, PD ones per role (UpOptions.prefill_budget / decode_budget). Prefix caching is
-off unless the workload shares prefixes, so no point benefits from another's prompts.
+off unless the workload shares prefixes, so no point benefits from another's prompts. The
+``*-two-host`` configurations run the same UpOptions across two network namespaces instead
+(two_host_deployment.py); ``LauncherDeployer`` is the one place that tells them apart.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
-from pdserve.bench.budget import PLAIN_CONFIGS, Budget
+from pdserve.bench.budget import PLAIN_CONFIGS, TWO_HOST_CONFIGS, TWO_HOST_SUFFIX, Budget
 from pdserve.errors import ConfigError, LaunchError
+
+if TYPE_CHECKING:
+    from pdserve.launch.options import UpOptions
 
 @dataclass(frozen=True)
 class DeploymentRequest:
@@ -31,7 +36,12 @@ class DeploymentRequest:
 
     @property
     def mode(self) -> str:
-        return "round-robin" if self.config == "chunked" else self.config
+        return "round-robin" if self.config == "chunked" else self.config.removesuffix(TWO_HOST_SUFFIX)
+
+    @property
+    def two_host(self) -> bool:
+        """Whether P and D run in two network namespaces (two_host_deployment.py)."""
+        return self.config in TWO_HOST_CONFIGS
 
     @property
     def extra_vllm_args(self) -> tuple[str, ...]:
@@ -46,10 +56,19 @@ class DeploymentRequest:
             return None, None
         return self.budget.prefill, self.budget.decode
 
+    def up_options(self, port: int, startup_timeout_s: float) -> UpOptions:
+        """What the launcher gets for this configuration, on one host or across two."""
+        from pdserve.launch.options import UpOptions
+
+        prefill_budget, decode_budget = self.role_budgets
+        return UpOptions(mode=self.mode, model=str(self.model_dir), port=port, prefix_caching=self.prefix_caching,
+                         extra_vllm_args=self.extra_vllm_args, prefill_budget=prefill_budget,
+                         decode_budget=decode_budget, log_dir=self.log_dir, startup_timeout=startup_timeout_s)
+
 
 @dataclass(frozen=True)
 class Endpoint:
-    base_url: str  # http://127.0.0.1:PORT of the router (or the single instance)
+    base_url: str  # http://127.0.0.1:PORT of the router (or the single instance, or a relay to the router)
     model_name: str  # the served model id
 
 
@@ -77,9 +96,13 @@ BENCH_PORT = 18800  # client-facing port; instances and router take the next few
 def expect_model(base_url: str, model_dir: Path) -> str:
     """The served model id, checked to be ours: another deployment on the same port (a concurrent
     run) would otherwise be measured in our place."""
-    served = served_model(base_url)
+    return check_model(served_model(base_url), model_dir, base_url)
+
+
+def check_model(served: str, model_dir: Path, where: str) -> str:
+    """`served` (the model id `where` answered), if it is `model_dir`; LaunchError otherwise."""
     if served != str(Path(model_dir).resolve()):
-        raise LaunchError(f"{base_url} serves {served!r}, not {model_dir}: is another deployment using this port?")
+        raise LaunchError(f"{where} serves {served!r}, not {model_dir}: is another deployment using this port?")
     return served
 
 
@@ -91,25 +114,32 @@ class LauncherDeployer:
         self.startup_timeout_s = startup_timeout_s
 
     def unavailable(self, config: str) -> str | None:
+        request = DeploymentRequest(config, Path("."), Path("."))
+        if request.two_host:
+            from pdserve.bench.two_host_deployment import two_host_unavailable
+
+            return two_host_unavailable()
         from pdserve.launch import known_modes
         import pdserve.launch.nixl_mode  # noqa: F401  registers the `nixl` mode
 
-        mode = DeploymentRequest(config, Path("."), Path(".")).mode
+        mode = request.mode
         modes = known_modes()
         if mode not in modes:
             return f"launcher mode {mode!r} is not available (available: {', '.join(modes)})"
         return None
 
+    def up(self, request: DeploymentRequest) -> contextlib.AbstractContextManager[Endpoint]:
+        if request.two_host:
+            from pdserve.bench.two_host_deployment import two_host_deployment
+
+            return two_host_deployment(request, self.port, self.startup_timeout_s)
+        return self._same_host(request)
+
     @contextlib.contextmanager
-    def up(self, request: DeploymentRequest) -> Iterator[Endpoint]:
+    def _same_host(self, request: DeploymentRequest) -> Iterator[Endpoint]:
         from pdserve import launch
 
-        prefill_budget, decode_budget = request.role_budgets
-        options = launch.UpOptions(mode=request.mode, model=str(request.model_dir), port=self.port,
-                                   prefix_caching=request.prefix_caching, extra_vllm_args=request.extra_vllm_args,
-                                   prefill_budget=prefill_budget, decode_budget=decode_budget,
-                                   log_dir=request.log_dir, startup_timeout=self.startup_timeout_s)
-        cluster = launch.up(options)
+        cluster = launch.up(request.up_options(self.port, self.startup_timeout_s))
         try:
             cluster.wait_healthy(self.startup_timeout_s)
             # PD routers do not all answer /v1/models: ask an instance which model is served.

@@ -11,11 +11,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.budget import Budget
+from pdserve.bench.budget import TWO_HOST_CONFIGS, Budget
 from pdserve.bench.slo import SLO
 from pdserve.errors import ConfigError
 
-KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl", "adaptive")
+KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl", "adaptive", *TWO_HOST_CONFIGS)
 
 
 WORKLOAD_KINDS = ("random", "shared-prefix", "multi-turn")
