@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.integration.pd_helpers import prompts  # noqa: E402
+from tests.reference_cache import ReferenceCache  # noqa: E402
 from tests.integration.xpyd_helpers import (  # noqa: E402
     check_correctness,
     check_multi_turn,
@@ -93,7 +94,11 @@ def main() -> int:
     args = parser.parse_args()
     batches = {"pd40": prompts(), "shared1000": shared_prefix_prompts(), "chat40x3": conversations()}
     started = time.monotonic()
-    refs = references({}, args.port + 20 * len(CELLS), batches)
+    cache = ReferenceCache()  # the reference deployment is stopped before the cells start
+    try:
+        refs = references(cache, batches, args.port + 20 * len(CELLS))
+    finally:
+        cache.close()
     print(f"collocated reference: {time.monotonic() - started:.0f} s", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "results.json"

@@ -6,10 +6,12 @@ import os
 import secrets
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from pdserve.launch.shm_sweep import ShmEntry, holders, list_entries
+from tests.reference_cache import ReferenceCache
 
 SESSION_MARK = "PDSERVE_TEST_SESSION"  # in the environment of every process this run starts
 SHM_GRACE_S = 10.0  # processes stopped at the very end may still be releasing their segments
@@ -24,9 +26,13 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def greedy_reference() -> dict:
+def greedy_reference() -> Iterator[ReferenceCache]:
     """Greedy generations by configuration name, shared across modules (collocated is the reference)."""
-    return {}
+    cache = ReferenceCache()
+    try:
+        yield cache
+    finally:
+        cache.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

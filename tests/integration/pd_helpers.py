@@ -73,12 +73,21 @@ def pd_pair(mode: str, port: int, **connector_extra) -> Iterator[Cluster]:
         yield cluster
 
 
-def collocated_reference(cache: dict, key: str, batch: list, port: int) -> list:
+REFERENCE_PORT = 27600  # the session's collocated reference deployment (and the next few ports)
+
+
+def reference_server(cache, port: int = REFERENCE_PORT) -> Cluster:
+    """The session's collocated instance (tiny model, as `options`): one launch for every module's
+    references; `cache` is a ReferenceCache (tests/reference_cache.py)."""
+    return cache.server(lambda: pd_cluster("collocated", port))
+
+
+def collocated_reference(cache, key: str, batch: list) -> list:
     """A collocated single instance's greedy output for `batch` (8 at a time, logprobs on),
-    computed once per test session and kept in `cache` under `key`."""
+    computed once per test session and kept in `cache` (the greedy_reference fixture) under `key`."""
     if key not in cache:
-        with pd_cluster("collocated", port) as cluster:
-            cache[key] = greedy(cluster.endpoint, cluster, batch)
+        cluster = reference_server(cache)
+        cache[key] = greedy(cluster.endpoint, cluster, batch)
     return cache[key]
 
 

@@ -21,7 +21,7 @@ ADAPTIVE = {"placement": "adaptive", "itl_target_ms": 100_000, "transfer_overhea
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference):
-    return collocated_reference(greedy_reference, "pd40", PROMPTS, 28300)
+    return collocated_reference(greedy_reference, "pd40", PROMPTS)
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ import pytest
 from pdserve.compare import fetch_greedy
 from pdserve.connector.modes import pd_deployment
 from pdserve.faults.matrix import MAX_TOKENS, TIMEOUTS, Matrix, cells
-from pdserve.launch import Cluster, UpOptions, plan
+from pdserve.launch import Cluster, UpOptions
 from pdserve.model.build import resolve_model
-from tests.integration.pd_helpers import LOG_DIR, model_name, prompts
+from tests.integration.pd_helpers import LOG_DIR, model_name, prompts, reference_server
 
 pytestmark = pytest.mark.integration
 
-PORTS = {"write": 26100, "read": 26200, "collocated": 26300}
+PORTS = {"write": 26100, "read": 26200}
 CELLS = {
     "write": ["decode restarted", "drop remote_blocks", "copy queue slower than release_grace"],
     "read": ["prefill restarted", "drop read_ack", "copy fails mid-layer"],
@@ -34,10 +34,12 @@ def _options(mode: str) -> UpOptions:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    with Cluster(plan(_options("collocated"))) as cluster:
-        cluster.wait_healthy(600)
-        return fetch_greedy(cluster.endpoint, PROMPTS, max_tokens=MAX_TOKENS, concurrency=4)
+def reference(greedy_reference):
+    if "faults-matrix8" not in greedy_reference:
+        cluster = reference_server(greedy_reference)  # the session's collocated instance, as _options would launch
+        greedy_reference["faults-matrix8"] = fetch_greedy(cluster.endpoint, PROMPTS, max_tokens=MAX_TOKENS,
+                                                          concurrency=4, model=model_name(cluster))
+    return greedy_reference["faults-matrix8"]
 
 
 @pytest.fixture(scope="module", params=["write", "read"])

@@ -36,7 +36,7 @@ PROMPTS = prompts(8, seed=99)
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference):
-    return collocated_reference(greedy_reference, "faults8", PROMPTS, 28600)
+    return collocated_reference(greedy_reference, "faults8", PROMPTS)
 
 
 @pytest.fixture(scope="module", params=["write", "read"])

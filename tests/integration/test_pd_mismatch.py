@@ -34,7 +34,7 @@ PROMPTS = prompts(8, seed=99)  # the fault tests' prompts: their collocated refe
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference):
-    return collocated_reference(greedy_reference, "faults8", PROMPTS, 28600)[:3]
+    return collocated_reference(greedy_reference, "faults8", PROMPTS)[:3]
 
 
 @pytest.mark.parametrize("mode", ["write", "read"])

@@ -42,7 +42,7 @@ PROMPTS = prompts()
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference):
-    return collocated_reference(greedy_reference, "pd40", PROMPTS, 28300)
+    return collocated_reference(greedy_reference, "pd40", PROMPTS)
 
 
 @pytest.fixture(scope="module", params=["write", "read"])

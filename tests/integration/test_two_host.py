@@ -22,7 +22,7 @@ PROMPTS = prompts()
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference):
-    return collocated_reference(greedy_reference, "pd40", PROMPTS, 28300)
+    return collocated_reference(greedy_reference, "pd40", PROMPTS)
 
 
 def test_write_mode_across_two_hosts_uses_nixl_and_equals_collocated(reference):

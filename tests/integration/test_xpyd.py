@@ -29,7 +29,6 @@ from tests.integration.xpyd_helpers import (
 pytestmark = pytest.mark.integration
 
 MODE, NUM_PREFILL, NUM_DECODE, PORT = "write", 2, 1, 29000
-REFERENCE_PORT = 29040
 PROMPTS = prompts()  # the PD serving test's 40 prompts: its collocated reference is reused when present
 NUM_CHECKED = 16  # of them, here (all 40: the script)
 SHARED = shared_prefix_prompts(16)
@@ -38,8 +37,7 @@ CONVERSATIONS = conversations(8)
 
 @pytest.fixture(scope="module")
 def refs(greedy_reference):
-    return references(greedy_reference, REFERENCE_PORT,
-                      {"pd40": PROMPTS, "shared16": SHARED, "chat8x3": CONVERSATIONS})
+    return references(greedy_reference, {"pd40": PROMPTS, "shared16": SHARED, "chat8x3": CONVERSATIONS})
 
 
 @pytest.fixture(scope="module")

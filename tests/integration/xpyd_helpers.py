@@ -146,20 +146,20 @@ def by_turn(results: list[list[Turn]]) -> list[Generation]:
     return [turn.generation for conv in results for turn in conv]
 
 
-def references(cache: dict, port: int, batches: dict[str, list]) -> dict:
+def references(cache, batches: dict[str, list], port: int | None = None) -> dict:
     """Collocated reference outputs for the named batches (token-id prompts, or conversations
-    under a key starting with "chat"), computed in one collocated launch for those not yet in
-    `cache` (the session's greedy_reference)."""
+    under a key starting with "chat"), computed on the session's reference deployment for those
+    not yet in `cache` (a ReferenceCache: the session's greedy_reference)."""
+    from tests.integration.pd_helpers import REFERENCE_PORT, reference_server
+
     missing = [key for key in batches if key not in cache]
     if missing:
-        from tests.integration.pd_helpers import pd_cluster
-
-        with pd_cluster("collocated", port) as cluster:
-            for key in missing:
-                if key.startswith("chat"):
-                    cache[key] = run_conversations(cluster.endpoint, model_name(cluster), batches[key])
-                else:
-                    cache[key] = greedy(cluster.endpoint, cluster, batches[key])
+        cluster = reference_server(cache, port or REFERENCE_PORT)
+        for key in missing:
+            if key.startswith("chat"):
+                cache[key] = run_conversations(cluster.endpoint, model_name(cluster), batches[key])
+            else:
+                cache[key] = greedy(cluster.endpoint, cluster, batches[key])
     return {key: cache[key] for key in batches}
 
 
