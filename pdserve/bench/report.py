@@ -110,6 +110,9 @@ def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: Tun
         items.append(f"Tuning (same procedure for every tuned configuration, tuning stream at "
                      f"{tune_log.rate:g} req/s, SLO `{tune_log.slo}`; objective: {OBJECTIVE}; attainment per "
                      f"candidate in parentheses, details in tune.json): " + "; ".join(tuned) + ".")
+    fixed = [f"{c} {b[0]}" for c in plan.configs if len(b := plan.budgets(c)) == 1]
+    if fixed:
+        items.append(f"Fixed budget (one candidate, not tuned): {', '.join(fixed)}.")
     untuned = [c for c in plan.configs if not plan.budgets(c)]
     if untuned and not plan.legacy:  # a legacy run's notes say what it tuned
         chunked = f" (chunked: {plan.chunked_tokens})" if "chunked" in untuned else ""

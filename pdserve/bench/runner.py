@@ -58,7 +58,8 @@ def estimate_s(plan: BenchPlan, capacity: float = ASSUMED_CAPACITY) -> float:
     resolved = plan.resolved(capacity)
     point = lambda rate: resolved.workload.num_prompts / rate + POINT_OVERHEAD_S  # noqa: E731
     total = sum(point(p.rate) for p in resolved.points()) + STARTUP_ESTIMATE_S * len(plan.configs)
-    total += sum(len(resolved.budgets(c)) * (STARTUP_ESTIMATE_S + point(resolved.headline)) for c in plan.configs)
+    total += sum(len(b) * (STARTUP_ESTIMATE_S + point(resolved.headline)) for c in plan.configs
+                 if len(b := resolved.budgets(c)) > 1)
     if plan.calibrated:
         total += STARTUP_ESTIMATE_S + CALIBRATION_S
     return total
@@ -152,6 +153,8 @@ class Runner:
         budgets = plan.budgets(config)
         if not budgets:
             return default_budget(plan, config)
+        if len(budgets) == 1:  # nothing to choose between: the one budget is used as given
+            return budgets[0]
         log = self._tune_log(plan)
         chosen = log.chosen(config)
         if chosen is not None:

@@ -136,6 +136,16 @@ def test_every_tuned_configuration_gets_the_same_procedure_and_its_chosen_budget
     assert "write: budget 512/256" in (tmp_path / "run" / "report.md").read_text()
 
 
+def test_a_single_candidate_is_used_as_given_without_a_tuning_point(tmp_path, no_plots):
+    plan = synthetic.plan(configs=("write",), candidates=(("write", ("512",)),))
+    deployer, bench = FakeDeployer(), FakeBench()
+    runner, progress = make(tmp_path, plan, deployer, bench)
+    runner.run(progress)
+    assert [(e[1], str(e[2])) for e in deployer.log if e[0] == "up"] == [("write", "512")]
+    assert not any("tune" in c.result_path.parts for c in bench.commands)
+    assert "Fixed budget (one candidate, not tuned): write 512." in (tmp_path / "run" / "report.md").read_text()
+
+
 def test_calibration_places_the_rates_and_its_deployment_measures_untuned_collocated(tmp_path, no_plots):
     from pdserve.bench.calibrate import Calibration, Machine
 
