@@ -10,6 +10,9 @@ Cells (40 prompts each, greedy output compared with one collocated instance's):
                          the deadlines, D then serves alone, nothing is left
   two-host-d-killed      two hosts, WRITE mode: D SIGKILLed mid-burst; P's blocks are freed
   two-host-mismatch      two hosts, D with another KV block size: handshake refused, D recomputes
+  two-host-agent-dies    two hosts, WRITE: P (its NIXL agent with it) kills itself after submitting
+                         layer 1 of a write: requests end within the deadlines, 200s correct, D holds nothing
+  two-host-client-disconnect  two hosts, WRITE: 16 clients give up 0.5 s in; P and D return to idle
 Writes one JSON line per cell to benchmarks/nixl/check.jsonl (or --out) and prints a summary.
 Run as root, under the machine's vLLM slot: python scripts/nixl_check.py [--cells a,b]
 """
@@ -20,6 +23,7 @@ import argparse
 import json
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve.compare import compare_greedy  # noqa: E402
 from pdserve.errors import LaunchError  # noqa: E402
-from pdserve.launch.two_host import TwoHostPD, metric  # noqa: E402
+from pdserve.launch.two_host import TIMEOUTS, TwoHostPD, metric  # noqa: E402
 from tests.integration.pd_helpers import greedy, metrics, pd_cluster, pd_pair, prompts  # noqa: E402
 
 PROMPTS = prompts()
@@ -136,6 +140,80 @@ def two_host_d_killed(reference: list) -> dict:
     return {"ok": ok, "burst": outcome, "prefill": p, "p_idle_after_s": freed_after, "leftovers": hosts.leftovers()}
 
 
+def _wait_idle(pd: TwoHostPD, role: str, seconds: float) -> float | None:
+    """Seconds until `role`'s instance holds no KV and no request; None if not within `seconds`."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        samples = pd.metrics(role)
+        busy = metric(samples, "vllm:num_requests_running") + metric(samples, "vllm:num_requests_waiting")
+        if metric(samples, "vllm:kv_cache_usage_perc") == 0 and busy == 0:
+            return round(time.monotonic() - started, 1)
+        time.sleep(1.0)
+    return None
+
+
+LONG = [i for i, p in enumerate(PROMPTS) if len(p) > 1000]
+
+
+def _checked(rows: list[dict], indices: list[int], reference: list) -> dict:
+    """Outcomes by status; every 200 compared with the collocated reference of its prompt."""
+    served = [(reference[i], row["steps"]) for i, row in zip(indices, rows) if row["status"] == 200]
+    result = compare_greedy([r for r, _ in served], [s for _, s in served]) if served else None
+    statuses: dict = {}
+    for row in rows:
+        statuses[str(row["status"])] = statuses.get(str(row["status"]), 0) + 1
+    return {"statuses": statuses, "served_ok": result.ok if result else True,
+            "served": result.summary() if result else "none", "longest_s": max(r["seconds"] for r in rows)}
+
+
+def two_host_agent_dies(reference: list) -> dict:
+    """WRITE across the hosts: P's instance, and its NIXL agent with it, SIGKILLs itself right after it
+    submitted layer 1 of a request's NIXL writes into D (layers 2.. never come; whether layer 1's bytes
+    are still on the wire at that instant is not controlled). Every request ends within the deadlines
+    (a 200 only with correct tokens), D holds nothing afterwards and serves alone, nothing is left."""
+    indices = LONG[:8]
+    with tempfile.TemporaryDirectory(prefix="pdserve-nixl-faults-") as tmp:
+        plan = Path(tmp) / "faults.json"
+        plan.write_text(json.dumps({"rules": []}))
+        with TwoHostPD("write", connector_extra={**TIMEOUTS, "test_fault_plan": str(plan)}) as pd:
+            warm = compare_greedy(reference[:4], pd.greedy(PROMPTS[:4]))
+            plan.write_text(json.dumps({"generation": 1, "rules": [
+                {"action": "kill", "at": "after_layer:1", "role": "P", "count": 1}]}))
+            time.sleep(1.0)  # the instances re-read the plan every 0.2 s
+            rows = pd.outcomes([PROMPTS[i] for i in indices], timeout=TIMEOUTS["transfer_timeout"] + 60)
+            plan.write_text(json.dumps({"generation": 2, "rules": []}))  # a restarted P must not kill itself again
+            outcome = _checked(rows, indices, reference)
+            d_idle = _wait_idle(pd, "decode", TIMEOUTS["transfer_timeout"] + 30)
+            d = pd.metrics("decode")
+            counts = {**transfer_counts(d), "recomputed": metric(d, "pdserve:kv_recomputed_total")}
+            alone = compare_greedy(reference[:4], pd.greedy(PROMPTS[:4], url=pd.url("decode")))
+            hosts = pd.hosts
+    hit = counts["failed"] + counts["recomputed"] >= 1
+    ok = (warm.ok and outcome["served_ok"] and outcome["longest_s"] < TIMEOUTS["transfer_timeout"] + 30
+          and d_idle is not None and hit and alone.ok and not hosts.leftovers())
+    return {"ok": ok, "burst": outcome, "decode": counts, "d_idle_after_s": d_idle, "fault_hit_a_transfer": hit,
+            "decode_alone": alone.summary(), "leftovers": hosts.leftovers()}
+
+
+def two_host_client_disconnect(reference: list) -> dict:
+    """WRITE across the hosts: 16 clients give up 0.5 s into long prompts (they close their
+    connections mid-prefill or mid-transfer): P and D both return to holding nothing within the
+    deadlines, and then serve 8 prompts correctly."""
+    indices = (LONG * 2)[:16]
+    with TwoHostPD("write") as pd:
+        rows = pd.outcomes([PROMPTS[i] for i in indices], timeout=0.5)
+        outcome = _checked(rows, indices, reference)
+        idle = {role: _wait_idle(pd, role, TIMEOUTS["defer_timeout"] + 30) for role in ("prefill", "decode")}
+        after = compare_greedy(reference[:8], pd.greedy(PROMPTS[:8]))
+        p, d = transfer_counts(pd.metrics("prefill")), transfer_counts(pd.metrics("decode"))
+        hosts = pd.hosts
+    gave_up = outcome["statuses"].get("timeout", 0)
+    ok = (gave_up >= 1 and outcome["served_ok"] and None not in idle.values() and after.ok
+          and p["attached_nixl"] >= 1 and not hosts.leftovers())
+    return {"ok": ok, "burst": outcome, "clients_gave_up": gave_up, "idle_after_s": idle, "after": after.summary(),
+            "prefill": p, "decode": d, "leftovers": hosts.leftovers()}
+
+
 CELLS = {
     "same-host-auto-write": lambda ref: same_host("write", "auto", "shm", ref),
     "same-host-nixl-read": lambda ref: same_host("read", "nixl", "nixl", ref),
@@ -144,6 +222,8 @@ CELLS = {
     "two-host-p-killed": two_host_p_killed,
     "two-host-d-killed": two_host_d_killed,
     "two-host-mismatch": two_host_mismatch,
+    "two-host-agent-dies": two_host_agent_dies,
+    "two-host-client-disconnect": two_host_client_disconnect,
 }
 
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdserve.errors import LaunchError
@@ -149,6 +150,20 @@ class TwoHostPD:
                           "--prompts", f.name, "--concurrency", str(concurrency))
         return [[Step(t, lp, tuple(top)) for t, lp, top in gen] for gen in json.loads(out)]
 
+    def outcomes(self, prompts: list, timeout: float = 300.0) -> list[dict]:
+        """All `prompts` at once through the router, one request each, each allowed `timeout` s:
+        per prompt {"status", "seconds", and for a 200 "steps" (compare.Step tuples)}."""
+        from pdserve.compare import Step
+
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir=self._scratch.name) as f:
+            json.dump(prompts, f)
+        out = json.loads(self.client("outcomes", "--url", self.router_url, "--models-url", self.url("prefill"),
+                                     "--prompts", f.name, "--timeout", str(timeout), timeout=timeout + 120))
+        for row in out:
+            if "steps" in row:
+                row["steps"] = [Step(t, lp, tuple(top)) for t, lp, top in row["steps"]]
+        return out
+
     def metrics(self, role: str) -> dict[str, float]:
         return json.loads(self.client("metrics", "--url", self.url(role), host=HOSTS[role]))
 
@@ -174,7 +189,7 @@ def _pdserve() -> list[str]:
 
 def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
     client = subparsers.add_parser("client", help="(inside a namespace) talk to the deployment")
-    client.add_argument("what", choices=("wait", "greedy", "metrics", "model"))
+    client.add_argument("what", choices=("wait", "greedy", "outcomes", "metrics", "model"))
     client.add_argument("--url", required=True)
     client.add_argument("--timeout", type=float, default=600)
     client.add_argument("--prompts")
@@ -205,6 +220,12 @@ def run_client(args) -> int:
                                    model=_model(args))
         json.dump([[(s.token_id, s.logprob, list(s.top2)) for s in g] for g in generations], sys.stdout)
         return 0
+    if args.what == "outcomes":  # every prompt its own request, all at once; each one's end recorded
+        prompts = json.loads(Path(args.prompts).read_text())
+        model = _model(args)
+        with ThreadPoolExecutor(max(1, len(prompts))) as pool:
+            json.dump(list(pool.map(lambda p: _outcome(args.url, p, model, args.timeout), prompts)), sys.stdout)
+        return 0
     if args.what == "metrics":
         out = {}
         for line in requests.get(f"{args.url}/metrics", timeout=30).text.splitlines():
@@ -217,6 +238,25 @@ def run_client(args) -> int:
         print(_model(args))
         return 0
     return 2
+
+
+def _outcome(url: str, prompt, model: str, timeout: float) -> dict:
+    """One greedy request: {"status": 200 and "steps", an HTTP status, or "timeout" / "error"; "seconds"}."""
+    import requests
+
+    from pdserve.compare import fetch_greedy
+
+    started = time.monotonic()
+    try:
+        steps = fetch_greedy(url, [prompt], max_tokens=MAX_TOKENS, model=model, timeout=timeout)[0]
+        out = {"status": 200, "steps": [(s.token_id, s.logprob, list(s.top2)) for s in steps]}
+    except requests.HTTPError as exc:
+        out = {"status": exc.response.status_code, "error": exc.response.text[-300:]}
+    except requests.Timeout:
+        out = {"status": "timeout"}  # the client gave up and closed its connection
+    except requests.RequestException as exc:
+        out = {"status": "error", "error": str(exc)[-300:]}
+    return {**out, "seconds": round(time.monotonic() - started, 2)}
 
 
 def _model(args) -> str:
