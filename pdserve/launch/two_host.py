@@ -27,6 +27,7 @@ from pdserve.errors import LaunchError
 from pdserve.launch.cores import divide_cores
 from pdserve.launch.netns import TwoHosts
 from pdserve.launch.options import UpOptions
+from pdserve.launch.samples import metric, parse_samples  # noqa: F401  (metric: re-exported)
 
 ROUTER_PORT, PREFILL_PORT, DECODE_PORT = 30000, 30010, 30020
 CHUNK_TOKENS = 512
@@ -172,15 +173,6 @@ class TwoHostPD:
         return self.client("model", "--url", self.url(role), host=HOSTS[role]).strip()
 
 
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    total = 0.0
-    for key, value in samples.items():
-        base, _, rest = key.partition("{")
-        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += value
-    return total
-
-
 def _pdserve() -> list[str]:
     return [sys.executable, "-m", "pdserve.cli"]
 
@@ -227,12 +219,7 @@ def run_client(args) -> int:
             json.dump(list(pool.map(lambda p: _outcome(args.url, p, model, args.timeout), prompts)), sys.stdout)
         return 0
     if args.what == "metrics":
-        out = {}
-        for line in requests.get(f"{args.url}/metrics", timeout=30).text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        json.dump(out, sys.stdout)
+        json.dump(parse_samples(requests.get(f"{args.url}/metrics", timeout=30).text), sys.stdout)
         return 0
     if args.what == "model":
         print(_model(args))

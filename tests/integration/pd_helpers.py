@@ -16,6 +16,7 @@ from pdserve.launch import Cluster, UpOptions, plan
 from pdserve.launch.env import cache_dir
 from pdserve.launch.ports import port_free
 from pdserve.launch.process import group_members
+from pdserve.launch.samples import metric, parse_samples  # noqa: F401  (metric: used by the tests through here)
 from pdserve.model.build import resolve_model
 
 CHUNK_TOKENS = 512  # P's --max-num-batched-tokens: longer prompts are prefilled in chunks
@@ -129,22 +130,7 @@ def greedy(url: str, cluster: Cluster, batch: list, concurrency: int = 8, **kw):
 
 def metrics(url: str) -> dict[str, float]:
     """Prometheus samples of an instance, keyed by the sample line's name{labels} (engine label kept)."""
-    out = {}
-    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, value in samples.items():
-        base, _, rest = key.partition("{")
-        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += value
-    return total
+    return parse_samples(requests.get(f"{url}/metrics", timeout=30).text)
 
 
 def wait_idle(url: str, timeout: float) -> float:
