@@ -125,7 +125,7 @@ def main() -> None:
     rows = [
         measure("static write (P prefills)", options, {}, prompts, warmup, args.max_tokens, args.idle_s),
         measure("adaptive, all local (P drops)", dataclasses.replace(options, port=args.port + 20),
-                {"placement": "adaptive", "transfer_overhead_ms": 1e5, "itl_target_ms": 1e5},
+                {"placement": "adaptive", "transfer_overhead_ms": 1e5, "itl_target_ms": 1e5, "max_step_ms": 1e5},
                 prompts, warmup, args.max_tokens, args.idle_s),
     ]
     ratio = rows[1]["p_prefill_s_per_leg"] / rows[0]["p_prefill_s_per_leg"]

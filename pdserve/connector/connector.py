@@ -97,8 +97,10 @@ class PDConnector(KVConnectorBase_V1):
         self._registration: RouterRegistration | None = None
         if role == KVConnectorRole.SCHEDULER:
             _apply_load_failure_policy(transfer_config, self._config.load_failure_policy)
+            scheduler_config = vllm_config.scheduler_config
             self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size,
-                                          vllm_config.scheduler_config.max_num_batched_tokens)
+                                          scheduler_config.max_num_batched_tokens,
+                                          getattr(scheduler_config, "long_prefill_token_threshold", 0) or None)
             if self._config.proxy_ip:
                 self._registration = RouterRegistration(self._config)
         else:

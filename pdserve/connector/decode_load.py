@@ -2,11 +2,16 @@
 
 Tracks the prompts D decided to prefill itself (their uncomputed tokens are its local backlog),
 the prompts it sent to each P whose KV has not landed, the decodes of its last step, its step
-costs, and the latest load each P published. Free of vLLM (requests are read through
+costs, the mean ITL its streams saw over the last stream lifetime (the mean output length of its
+finished requests x the ITL target: the decode-weighted mean of its step times), and the latest
+load each P published. Free of vLLM (requests are read through
 `num_prompt_tokens` / `num_computed_tokens` only).
 """
 
 from __future__ import annotations
+
+import time
+from collections import deque
 
 from pdserve.connector.placement import DecodeView
 from pdserve.connector.step_costs import StepCosts
@@ -26,11 +31,20 @@ def uncomputed_prompt_tokens(requests: dict) -> int:
     return total
 
 
+STREAM_WEIGHT = 0.05  # of each finished request in the mean output length
+MAX_SPAN_S = 120.0  # prompt tokens computed longer ago than this are forgotten
+
+
 class DecodeLoad:
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, itl_target_s: float = 0.05, clock=time.monotonic, chunk: int | None = None):
         self.budget = budget
+        self.chunk = chunk or budget
         self.costs = StepCosts()
         self.running_decodes = 0
+        self._itl_target_s = itl_target_s
+        self._clock = clock
+        self._steps: deque[tuple[float, float, int]] = deque()  # (when, seconds, decodes) of D's decode steps
+        self._stream_tokens = 0.0
         self._local: dict[str, object] = {}  # request id -> request prefilled here
         self._remote: dict[str, tuple[tuple[str, int], int]] = {}  # request id -> (P, prompt tokens)
         self._loads: dict[tuple[str, int], PrefillLoad] = {}
@@ -48,6 +62,31 @@ class DecodeLoad:
         self._local.pop(request_id, None)
         self._remote.pop(request_id, None)
 
+    def on_step(self, seconds: float, decodes: int) -> None:
+        """A finished step that took `seconds` and gave `decodes` streams a token each."""
+        if decodes > 0 and seconds >= 0:
+            self._steps.append((self._clock(), seconds, decodes))
+
+    def on_finished(self, output_tokens: int) -> None:
+        """A request that ended after `output_tokens` tokens (its stream's length)."""
+        if output_tokens <= 0:
+            return
+        if self._stream_tokens == 0:
+            self._stream_tokens = float(output_tokens)
+        else:
+            self._stream_tokens += STREAM_WEIGHT * (output_tokens - self._stream_tokens)
+
+    def recent_itl(self) -> float | None:
+        """The mean time between two tokens of D's streams over the last stream lifetime (None: no
+        stream finished yet, or no token in that span)."""
+        now = self._clock()
+        while self._steps and now - self._steps[0][0] > MAX_SPAN_S:
+            self._steps.popleft()
+        span = self._stream_tokens * self._itl_target_s
+        recent = [(seconds, decodes) for when, seconds, decodes in self._steps if now - when < span]
+        tokens = sum(decodes for _, decodes in recent)
+        return sum(seconds * decodes for seconds, decodes in recent) / tokens if tokens else None
+
     def on_loads(self, loads: dict[tuple[str, int], PrefillLoad]) -> None:
         self._loads.update(loads)
 
@@ -61,4 +100,5 @@ class DecodeLoad:
         key = (peer.host, peer.handshake_port)
         outstanding = sum(tokens for p, tokens in self._remote.values() if p == key)
         return DecodeView(self.running_decodes, self.local_backlog(), outstanding, self.budget,
-                          self.costs.coefficients(), self.costs.knows_prefill)
+                          self.costs.coefficients(), self.costs.knows_prefill, self.recent_itl(),
+                          self._stream_tokens, self.chunk)

@@ -159,15 +159,21 @@ def read(options: UpOptions) -> Deployment:
 
 
 ADAPTIVE_PREFILL_BUDGET = 512  # one 512-token prompt per P step: no prompt waits behind three others
-ADAPTIVE_DECODE_BUDGET = 64  # D's local prefill chunk (and decode batch): a chunk step stays near the ITL target
+ADAPTIVE_DECODE_BUDGET = 64  # D's local prefill chunk: a chunk step stays under the 100 ms step bound
+# D's step budget is its chunk plus this: a local prefill's chunk never takes the whole budget, so
+# D's decodes always fit and vLLM still looks at new requests (it admits none while the budget is
+# spent), i.e. D decides a new request's placement within one step even while it prefills one itself
+ADAPTIVE_DECODE_RESERVE = 64
 
 
 @register("adaptive")
 def adaptive(options: UpOptions) -> Deployment:
     """PD, WRITE mode with per-request placement: decode prefills a prompt itself (chunked) when that is faster."""
+    chunk = options.decode_budget or ADAPTIVE_DECODE_BUDGET
     tuned = dataclasses.replace(options, prefill_budget=options.prefill_budget or ADAPTIVE_PREFILL_BUDGET,
-                                decode_budget=options.decode_budget or ADAPTIVE_DECODE_BUDGET)
+                                decode_budget=chunk + ADAPTIVE_DECODE_RESERVE, decode_chunk=chunk)
     extra = {"placement": "adaptive"}
-    if options.itl_target_ms is not None:
-        extra["itl_target_ms"] = options.itl_target_ms
+    for key in ("itl_target_ms", "max_step_ms"):
+        if getattr(options, key) is not None:
+            extra[key] = getattr(options, key)
     return pd_deployment(tuned, "write", extra)

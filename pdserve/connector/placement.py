@@ -5,8 +5,17 @@ uncached prompt length and live load: P's published queue (a `PrefillLoad`, sent
 control plane) and D's own running decodes and local prefill backlog (`DecodeView`). Free of vLLM.
 
 `AdaptivePolicy` estimates the TTFT of each placement from measured step costs and picks the
-smaller one, but never prefills locally when one local chunk step would push D's running decodes
-past `itl_target_ms`: that is what disaggregation is for. `StaticPolicy` always disaggregates.
+smaller one, within two bounds that protect D's running streams (that is what disaggregation is for):
+
+* mean ITL (`itl_target_ms`, what the usual SLOs bound): a stream of L tokens sees every prompt
+  token D computes while it runs, so this prompt and D's local backlog add about
+  per_token x tokens / L to its mean ITL. A local prefill is allowed while the mean ITL D's streams
+  saw over the last stream lifetime plus that stays within ITL_HEADROOM x the target. Measured, not
+  modelled, so it follows what D's local prefills already cost: as D takes more of them its
+  streams' ITL rises (decode_step / (1 - prefill share)) until the guard stops adding more.
+* one step (`max_step_ms`, what max-gap / stall SLOs bound): no local chunk step may take longer.
+
+`StaticPolicy` always disaggregates.
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ class Reason(enum.Enum):
     WARMING_UP = "warming_up"  # no cost estimates yet: disaggregate
     REMOTE_FASTER = "remote_faster"
     LOCAL_FASTER = "local_faster"
-    ITL_GUARD = "itl_guard"  # local would be faster, but a local chunk would break the ITL target
+    ITL_GUARD = "itl_guard"  # local would be faster, but D's streams would exceed the mean ITL target
+    STEP_GUARD = "step_guard"  # local would be faster, but one chunk step would exceed max_step_ms
     LONG_PROMPT = "long_prompt"  # more uncached tokens than max_local_tokens: always disaggregated
 
 
@@ -54,7 +64,8 @@ class Decision:
 class PlacementConfig:
     policy: str = "static"
     wait_s: float = 2.0  # P: how long a prefill leg waits for D's decision before prefilling anyway
-    itl_target_ms: float = 50.0  # D: a local chunk step must stay under this while D decodes
+    itl_target_ms: float = 50.0  # D: its running streams' mean ITL must stay under this
+    max_step_ms: float = 100.0  # D: no local chunk step may take longer while D decodes
     transfer_overhead_ms: float = 20.0  # D: router hop + transfer + D's first step, added to remote TTFT
     max_local_tokens: float = float("inf")  # D: never prefill more uncached tokens than this itself
 
@@ -63,7 +74,9 @@ class PlacementConfig:
         return self.policy == "adaptive"
 
 
-PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "transfer_overhead_ms", "max_local_tokens")
+PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "max_step_ms", "transfer_overhead_ms",
+                  "max_local_tokens")
+ITL_HEADROOM = 0.9  # of the mean-ITL allowance a local prefill may use: streams differ from the mean
 
 
 def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
@@ -71,7 +84,7 @@ def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
     if policy not in PLACEMENTS:
         raise ConfigError(f"kv_connector_extra_config.placement must be one of {', '.join(PLACEMENTS)}, got {policy!r}")
     numbers = {}
-    for key, field in (("placement_wait", "wait_s"), ("itl_target_ms", "itl_target_ms"),
+    for key, field in (("placement_wait", "wait_s"), ("itl_target_ms", "itl_target_ms"), ("max_step_ms", "max_step_ms"),
                        ("transfer_overhead_ms", "transfer_overhead_ms"), ("max_local_tokens", "max_local_tokens")):
         if key not in extra:
             continue
@@ -104,6 +117,9 @@ class DecodeView:
     budget: int  # D's --max-num-batched-tokens: decodes and local chunks share it
     costs: Coefficients | None
     knows_prefill: bool
+    recent_itl_s: float | None = None  # mean ITL of D's streams over a stream's life (None: not measured)
+    stream_tokens: float = 0.0  # mean output tokens of D's finished requests (0: none finished yet)
+    chunk: int = 0  # the most tokens of one prompt D computes in a step (--long-prefill-token-threshold; 0: budget)
 
 
 class PlacementPolicy(Protocol):
@@ -130,9 +146,21 @@ class AdaptivePolicy:
         local, chunk_step = self._local_ttft(uncached_tokens, view, local_costs)
         if local >= remote:
             return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote)
-        if view.running_decodes > 0 and chunk_step * 1000 > self._config.itl_target_ms:
-            return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote)
+        if view.running_decodes > 0:
+            if chunk_step * 1000 > self._config.max_step_ms:
+                return Decision(Placement.REMOTE, Reason.STEP_GUARD, local, remote)
+            if not self._within_itl(uncached_tokens, view, local_costs):
+                return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote)
         return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)
+
+    def _within_itl(self, tokens: int, view: DecodeView, costs: Coefficients) -> bool:
+        """Whether D's running streams keep their mean ITL under the target with this prompt
+        prefilled here too (see the module docstring)."""
+        if view.stream_tokens <= 0:
+            return False  # no stream has finished: how many tokens a stream shares the delay over is unknown
+        itl = view.recent_itl_s if view.recent_itl_s is not None else costs.step_seconds(0, view.running_decodes + 1)
+        added = costs.per_prefill_token_s * (view.local_backlog_tokens + tokens) / view.stream_tokens
+        return itl + added <= ITL_HEADROOM * self._config.itl_target_ms / 1000
 
     def _local_costs(self, view: DecodeView, load: PrefillLoad | None) -> Coefficients | None:
         """D's step costs; until D has prefilled anything itself, its per-token cost is P's."""
@@ -151,11 +179,16 @@ class AdaptivePolicy:
         return drain_seconds(load, queued + tokens) + self._config.transfer_overhead_ms / 1000
 
     def _local_ttft(self, tokens: int, view: DecodeView, costs: Coefficients) -> tuple[float, float]:
-        """(TTFT of a local prefill behind D's local backlog, wall time of one chunk step)."""
-        chunk = max(1, view.budget - view.running_decodes)
+        """(TTFT of a local prefill behind D's local backlog, wall time of one chunk step).
+
+        A step computes at most `chunk` tokens of one prompt and `budget` in all: this prompt's chunk
+        and, while the backlog lasts, the chunk of the prompt before it."""
+        room = max(1, view.budget - view.running_decodes)
+        chunk = min(view.chunk or view.budget, room)
         total = view.local_backlog_tokens + tokens
-        step = costs.step_seconds(min(chunk, total), view.running_decodes)
-        return math.ceil(total / chunk) * step, costs.step_seconds(min(chunk, tokens), view.running_decodes)
+        per_step = min(room, chunk * (2 if view.local_backlog_tokens else 1))
+        step = costs.step_seconds(min(per_step, total), view.running_decodes)
+        return math.ceil(total / per_step) * step, step
 
 
 def make_policy(config: PlacementConfig) -> PlacementPolicy:

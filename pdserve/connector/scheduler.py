@@ -39,7 +39,7 @@ class _PendingSend:
 class PDScheduler:
     """Called by vLLM's scheduler; see vLLM's KVConnectorBase_V1 for when each hook runs."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048):
+    def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048, chunk: int | None = None):
         self._config = config
         self._block_size = block_size
         self._budget = budget  # this instance's --max-num-batched-tokens
@@ -53,7 +53,7 @@ class PDScheduler:
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
         # D, placement
         self._policy = make_policy(config.placement)
-        self._decode_load = DecodeLoad(budget)
+        self._decode_load = DecodeLoad(budget, config.placement.itl_target_ms / 1000, chunk=chunk or budget)
         self._decisions: dict[str, Decision] = {}
         self._next_placement_log = 0.0
         # P
@@ -111,8 +111,11 @@ class PDScheduler:
     def _end_step(self) -> None:
         if self._step is not None:
             started, prefill, decodes = self._step
-            costs = self._decode_load.costs if self._config.role is Role.CONSUMER else self._costs
-            costs.observe(time.monotonic() - started, prefill, decodes)
+            took = time.monotonic() - started
+            consumer = self._config.role is Role.CONSUMER
+            (self._decode_load.costs if consumer else self._costs).observe(took, prefill, decodes)
+            if consumer:
+                self._decode_load.on_step(took, decodes)
             self._step = None
 
     def has_pending_push_work(self) -> bool:
@@ -368,14 +371,16 @@ class PDScheduler:
         self._next_placement_log = now + PLACEMENT_LOG_EVERY_S
         view = self._decode_load.view(params.peer)
         fmt = lambda v: "-" if v is None else f"{1000 * v:.0f} ms"
-        logger.info("pdserve: placement %s (local %s, remote %s); decode: %d running, %d backlog tokens, costs %s; "
-                    "prefill %s:%d: %s", decision.label, fmt(decision.ttft_local_s), fmt(decision.ttft_remote_s),
-                    view.running_decodes, view.local_backlog_tokens, view.costs, params.peer.host,
+        logger.info("pdserve: placement %s (local %s, remote %s); decode: %d running, %d backlog tokens, mean ITL %s "
+                    "over the last %.0f-token stream, costs %s; prefill %s:%d: %s", decision.label,
+                    fmt(decision.ttft_local_s), fmt(decision.ttft_remote_s), view.running_decodes,
+                    view.local_backlog_tokens, fmt(view.recent_itl_s), view.stream_tokens, view.costs, params.peer.host,
                     params.peer.handshake_port, self._decode_load.load_of(params.peer))
 
     def _finish_recv(self, request) -> None:
         rid = request.request_id
         self._decode_load.forget(rid)
+        self._decode_load.on_finished(getattr(request, "num_output_tokens", 0))
         self._decisions.pop(rid, None)
         if rid not in self._recv_params:  # aborted before it was ever scheduled: P may hold its KV
             self._consumer_params(request)

@@ -64,8 +64,11 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
                    help="--max-num-batched-tokens of the decode instance(s) in PD modes; with adaptive "
                         "placement, the chunk in which decode prefills a prompt itself (default: vLLM's)")
     p.add_argument("--itl-target-ms", type=float, metavar="MS",
-                   help="adaptive mode: decode prefills a prompt itself only while one chunk step keeps its "
-                        "running streams under this inter-token latency (default 50)")
+                   help="adaptive mode: decode prefills a prompt itself only while its running streams keep "
+                        "their mean inter-token latency under this (default 50)")
+    p.add_argument("--max-step-ms", type=float, metavar="MS",
+                   help="adaptive mode: ... and while one of its chunk steps takes no longer than this, the "
+                        "largest gap a stream then sees (default 100)")
     p.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
                    help="once healthy, a process that dies is restarted (backoff 1 s doubling to 30 s; "
                         "default) or, with never, everything is stopped and pdserve exits non-zero")
@@ -77,7 +80,8 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      enforce_eager=args.enforce_eager, extra_vllm_args=tuple(shlex.split(args.vllm_args)),
                      startup_timeout=args.startup_timeout, log_dir=args.log_dir, restart=args.restart,
                      drain_timeout=args.drain_timeout, prefill_budget=args.prefill_budget,
-                     decode_budget=args.decode_budget, itl_target_ms=args.itl_target_ms, num_prefill=args.num_prefill,
+                     decode_budget=args.decode_budget, itl_target_ms=args.itl_target_ms,
+                     max_step_ms=args.max_step_ms, num_prefill=args.num_prefill,
                      num_decode=args.num_decode)
 
 

@@ -55,8 +55,10 @@ class UpOptions:
     restart: RestartPolicy = "on-failure"
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     prefill_budget: int | None = None  # --max-num-batched-tokens of prefill instances (None: vLLM's default)
-    decode_budget: int | None = None  # ... of decode instances; a PD decode instance's local prefill chunk
-    itl_target_ms: float | None = None  # adaptive placement: decode prefills locally only within this ITL
+    decode_budget: int | None = None  # ... of decode instances
+    decode_chunk: int | None = None  # --long-prefill-token-threshold of decode instances: one prompt's tokens a step
+    itl_target_ms: float | None = None  # adaptive placement: decode prefills locally only within this mean ITL
+    max_step_ms: float | None = None  # ... and while one chunk step takes no longer than this
     num_prefill: int = 1
     num_decode: int = 1
 
@@ -73,16 +75,22 @@ class UpOptions:
         for name, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             if not 1 <= count <= MAX_INSTANCES_PER_ROLE:
                 raise ConfigError(f"{count} {name} instances: give 1..{MAX_INSTANCES_PER_ROLE}")
-        for name, budget in (("prefill", self.prefill_budget), ("decode", self.decode_budget)):
+        for name, budget in (("prefill", self.prefill_budget), ("decode", self.decode_budget),
+                             ("decode chunk", self.decode_chunk)):
             if budget is not None and not 16 <= budget <= 1 << 20:
                 raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
-        if self.itl_target_ms is not None and not 0 < self.itl_target_ms < 1e6:
-            raise ConfigError(f"ITL target {self.itl_target_ms} ms is not a positive number of milliseconds")
+        for name, ms in (("ITL target", self.itl_target_ms), ("largest step", self.max_step_ms)):
+            if ms is not None and not 0 < ms < 1e6:
+                raise ConfigError(f"{name} {ms} ms is not a positive number of milliseconds")
 
     def budget_args(self, role: str) -> tuple[str, ...]:
-        """`--max-num-batched-tokens` for an instance of `role` (prefill|decode|both), if set."""
+        """`--max-num-batched-tokens` (and a decode instance's `--long-prefill-token-threshold`) for an
+        instance of `role` (prefill|decode|both), where set."""
         budget = {"prefill": self.prefill_budget, "decode": self.decode_budget}.get(role)
-        return () if budget is None else ("--max-num-batched-tokens", str(budget))
+        args = () if budget is None else ("--max-num-batched-tokens", str(budget))
+        if role == "decode" and self.decode_chunk is not None:
+            args += ("--long-prefill-token-threshold", str(self.decode_chunk))
+        return args
 
     def vllm_args(self) -> tuple[str, ...]:
         """Flags every vLLM instance of a launch shares."""

@@ -27,6 +27,7 @@ class FakeRequest:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.RUNNING
     prompt_token_ids: list[int] | None = None  # default: 0, 1, ... num_prompt_tokens - 1
+    num_output_tokens: int = 0
 
     def __post_init__(self):
         if self.prompt_token_ids is None:

@@ -24,12 +24,14 @@ def load(queued: int, at: float = NOW, per_token_s: float = 0.001) -> PrefillLoa
 
 
 def view(running: int = 0, backlog: int = 0, outstanding: int = 0, budget: int = 64, costs=COSTS,
-         knows_prefill: bool = True) -> DecodeView:
-    return DecodeView(running, backlog, outstanding, budget, costs, knows_prefill)
+         knows_prefill: bool = True, itl_ms: float | None = None, stream_tokens: float = 64) -> DecodeView:
+    return DecodeView(running, backlog, outstanding, budget, costs, knows_prefill,
+                      None if itl_ms is None else itl_ms / 1000, stream_tokens)
 
 
-def policy(itl_target_ms: float = 1000.0) -> AdaptivePolicy:
-    return AdaptivePolicy(PlacementConfig("adaptive", itl_target_ms=itl_target_ms), clock=lambda: NOW)
+def policy(itl_target_ms: float = 1000.0, max_step_ms: float = 1000.0) -> AdaptivePolicy:
+    return AdaptivePolicy(PlacementConfig("adaptive", itl_target_ms=itl_target_ms, max_step_ms=max_step_ms),
+                          clock=lambda: NOW)
 
 
 def test_static_policy_always_disaggregates():
@@ -55,12 +57,43 @@ def test_a_long_prefill_queue_sends_the_prompt_local():
     assert decision.ttft_local_s < decision.ttft_remote_s
 
 
-def test_the_itl_guard_keeps_decodes_smooth():
-    # 64-token chunk + 10 decodes: 10 + 54 + 10 = 74 ms per step > 50 ms target
-    decision = policy(itl_target_ms=50).decide(512, view(running=10), load(4096))
-    assert decision.placement is Placement.REMOTE and decision.reason is Reason.ITL_GUARD
+def test_the_step_guard_bounds_one_chunk_step():
+    # 64-token chunk + 10 decodes: 10 + 54 + 10 = 74 ms per step > 60 ms
+    decision = policy(max_step_ms=60).decide(512, view(running=10), load(4096))
+    assert decision.placement is Placement.REMOTE and decision.reason is Reason.STEP_GUARD
+    assert policy(max_step_ms=80).decide(512, view(running=10), load(4096)).placement is Placement.LOCAL
     # with nothing decoding there is no stream to protect
-    assert policy(itl_target_ms=50).decide(512, view(running=0), load(4096)).placement is Placement.LOCAL
+    assert policy(max_step_ms=60).decide(512, view(running=0), load(4096)).placement is Placement.LOCAL
+
+
+def test_a_local_chunk_is_capped_below_the_step_budget():
+    # budget 128 with a 64-token chunk: 10 decodes + 64 prompt tokens = 84 ms a step, 8 steps for 512
+    capped = view(running=10, budget=128)
+    capped = DecodeView(**{**capped.__dict__, "chunk": 64})
+    decision = policy().decide(512, capped, load(4096))
+    assert decision.placement is Placement.LOCAL and decision.ttft_local_s == pytest.approx(8 * 0.084)
+    assert policy(max_step_ms=80).decide(512, capped, load(4096)).reason is Reason.STEP_GUARD
+    # behind a local backlog, two prompts' chunks share a step: 10 + 118 + 10 = 138 ms
+    behind = DecodeView(**{**capped.__dict__, "local_backlog_tokens": 100})
+    assert policy(max_step_ms=130).decide(512, behind, load(40960)).reason is Reason.STEP_GUARD
+
+
+def test_the_itl_guard_bounds_the_streams_mean_itl():
+    # a 512-token prompt at 1 ms a token adds 512 / 64 = 8 ms to a 64-token stream's mean ITL;
+    # the streams may reach 0.9 x 50 = 45 ms
+    chunky = policy(itl_target_ms=50)  # one 74 ms chunk step is allowed (max_step 1 s): only the mean counts
+    assert chunky.decide(512, view(running=10, itl_ms=37), load(4096)).placement is Placement.LOCAL
+    decision = chunky.decide(512, view(running=10, itl_ms=38), load(4096))
+    assert decision.placement is Placement.REMOTE and decision.reason is Reason.ITL_GUARD
+    # D's local backlog counts too; shorter streams share the delay over fewer tokens
+    assert chunky.decide(512, view(running=10, itl_ms=30, backlog=512), load(40960)).reason is Reason.ITL_GUARD
+    assert chunky.decide(512, view(running=10, itl_ms=30, stream_tokens=16), load(4096)).reason is Reason.ITL_GUARD
+    # not measured yet: the step-cost model's decode step (10 + 11 ms) stands in for it
+    assert chunky.decide(512, view(running=10), load(4096)).placement is Placement.LOCAL
+    assert policy(itl_target_ms=30).decide(512, view(running=10), load(4096)).reason is Reason.ITL_GUARD
+    # until a stream has finished its length is unknown: nothing local while D decodes
+    assert chunky.decide(512, view(running=10, itl_ms=20, stream_tokens=0), load(4096)).reason is Reason.ITL_GUARD
+    assert chunky.decide(512, view(running=0, stream_tokens=0), load(4096)).placement is Placement.LOCAL
 
 
 def test_a_published_queue_ages_and_d_counts_what_it_sent():
@@ -142,8 +175,11 @@ def test_placement_inbox_reports_decisions_once():
 
 def test_placement_config_is_parsed_once_with_clear_errors():
     assert parse_placement({}).policy == "static"
-    cfg = parse_placement({"placement": "adaptive", "placement_wait": "0.5", "itl_target_ms": 80})
-    assert (cfg.adaptive, cfg.wait_s, cfg.itl_target_ms) == (True, 0.5, 80.0)
+    cfg = parse_placement({"placement": "adaptive", "placement_wait": "0.5", "itl_target_ms": 80, "max_step_ms": 120})
+    assert (cfg.adaptive, cfg.wait_s, cfg.itl_target_ms, cfg.max_step_ms) == (True, 0.5, 80.0, 120.0)
+    assert parse_placement({}).max_step_ms == 100.0
+    with pytest.raises(ConfigError, match="max_step_ms out of range"):
+        parse_placement({"max_step_ms": -5})
     with pytest.raises(ConfigError, match="placement must be one of static, adaptive"):
         parse_placement({"placement": "smart"})
     with pytest.raises(ConfigError, match="itl_target_ms must be a number"):
@@ -160,3 +196,27 @@ def test_prefill_load_message_is_validated():
         PrefillLoad("h", 1, 0, float("nan"), 0.0, 512, NOW).validate()
     with pytest.raises(ProtocolError, match="queued_tokens"):
         PrefillLoad("h", 1, -1, 0.001, 0.0, 512, NOW).validate()
+
+
+def test_decode_load_measures_its_streams_mean_itl_over_one_stream_life():
+    from pdserve.connector.decode_load import DecodeLoad
+    now = [0.0]
+    decode_load = DecodeLoad(64, itl_target_s=0.05, clock=lambda: now[0])
+    peer = PeerAddress("127.0.0.1", 6301, 6302)
+    decode_load.on_step(0.020, 4)
+    assert decode_load.recent_itl() is None  # no stream finished: its life is unknown (0 s)
+    decode_load.on_finished(0)  # an abort before the first token teaches nothing
+    assert decode_load.view(peer).stream_tokens == 0
+    decode_load.on_finished(40)  # a 40-token stream lives 2 s at the target
+    assert decode_load.recent_itl() == pytest.approx(0.020)
+    now[0] = 1.5
+    decode_load.on_step(0.100, 1)  # a chunk step: one stream waited 100 ms for its token
+    decode_load.on_step(0.500, 0)  # a step without decodes gives no stream a token
+    assert decode_load.recent_itl() == pytest.approx((4 * 0.020 + 0.100) / 5)
+    now[0] = 2.4
+    assert decode_load.recent_itl() == pytest.approx(0.100)
+    decode_load.on_finished(240)  # the mean length moves by STREAM_WEIGHT of the difference: 40 + 0.05 x 200 = 50
+    seen = decode_load.view(peer)
+    assert seen.stream_tokens == 50.0 and seen.recent_itl_s == pytest.approx(0.036)
+    now[0] = 10.0
+    assert decode_load.recent_itl() is None

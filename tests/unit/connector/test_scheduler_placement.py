@@ -113,11 +113,12 @@ def test_p_publishes_its_queue_once_it_knows_its_costs():
 
 
 def _teach_d(s: Scheduler, step_s: float = 0.005) -> None:
-    """Ten decode steps of `step_s` each."""
+    """Ten decode steps of `step_s` each, and a plain 64-token stream that finished."""
     for _ in range(10):
         s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 1}))
         time.sleep(step_s)
         s.scheduler.update_connector_output(Output())
+    s.scheduler.request_finished(FakeRequest("plain", None, 10, num_output_tokens=64), [])
 
 
 def test_d_prefills_locally_when_p_is_busy_and_tells_p():
@@ -131,6 +132,22 @@ def test_d_prefills_locally_when_p_is_busy_and_tells_p():
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     assert meta.recvs == [] and meta.placements == ["local:local_faster"]
     assert meta.cancels == [CancelSpec("tx-1", P_ADDRESS, "decode computes this prompt itself")]
+
+
+def test_d_keeps_its_streams_mean_itl_from_what_its_steps_took():
+    s = adaptive("kv_consumer")
+    _teach_d(s, step_s=0.005)
+    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
+    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): busy}))
+    s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 1}))  # the streams wait 500 ms for a token
+    time.sleep(0.5)
+    s.scheduler.update_connector_output(Output())
+    s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 1}))
+    request = FakeRequest(ROUTER_ID, consumer_params(), 40)
+    # over the last 64 x 50 ms the streams' mean ITL is (10 x ~5 + 500) / 11 ms > 45 ms
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (40, True)
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 40)
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).placements == ["remote:itl_guard"]
 
 
 def test_d_sends_to_an_idle_p_and_counts_the_decision():

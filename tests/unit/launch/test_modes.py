@@ -106,3 +106,25 @@ def test_every_mode_gets_a_front_on_the_client_port(mode):
 def test_drain_timeout_is_checked():
     with pytest.raises(ConfigError, match="drain timeout"):
         UpOptions(drain_timeout=-1)
+
+
+def test_adaptive_is_write_with_the_placement_bounds_given_to_pdserve_up():
+    import json
+    d = plan(UpOptions(mode="adaptive", model="/m", port=18500, cores=(0, 1), itl_target_ms=40, max_step_ms=80))
+    configs = []
+    for inst in d.instances:
+        argv = inst.process_spec(Path("/r")).argv
+        configs.append(json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"])
+    assert [(c["placement"], c["itl_target_ms"], c["max_step_ms"]) for c in configs] == [("adaptive", 40, 80)] * 2
+    prefill, decode = (" ".join(vllm_argv(i.process_spec(Path("/r")).argv)) for i in d.instances)
+    assert "--max-num-batched-tokens 512" in prefill and "--long-prefill-token-threshold" not in prefill
+    # D: its local chunk (default 64) plus room for its decodes and for new requests
+    assert "--max-num-batched-tokens 128 --long-prefill-token-threshold 64" in decode
+    chunk32 = plan(UpOptions(mode="adaptive", model="/m", port=18500, cores=(0, 1), decode_budget=32))
+    assert "--max-num-batched-tokens 96 --long-prefill-token-threshold 32" in " ".join(
+        chunk32.instances[1].process_spec(Path("/r")).argv)
+    with pytest.raises(ConfigError, match="largest step -1 ms is not a positive number"):
+        UpOptions(mode="adaptive", model="/m", max_step_ms=-1)
+    args = build_parser().parse_args(["up", "--mode", "adaptive", "--max-step-ms", "70"])
+    from pdserve.launch.cli import options_from
+    assert options_from(args).max_step_ms == 70
