@@ -2,7 +2,9 @@
 
 Written ``default`` (vLLM's own, 2048 on CPU), ``256`` (every instance; for PD modes the prefill
 instance) or ``512/256`` (prefill instance / decode instance, PD modes only; with adaptive placement
-the decode budget is the chunk in which decode prefills a prompt itself). ``write-two-host`` and
+the decode budget is the chunk in which decode prefills a prompt itself). ``+serve`` after an
+adaptive budget (``512/64+serve``) also lets the prefill instance serve whole requests
+(``pdserve up --prefill-serves-decode``), so tuning decides whether that helps the workload. ``write-two-host`` and
 ``read-two-host`` are write and read with P and D in two network namespaces: budgeted the same way.
 """
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
 
+SERVE_SUFFIX = "+serve"
 PLAIN_CONFIGS = ("collocated", "round-robin", "chunked")  # every instance prefills and decodes
 TWO_HOST_SUFFIX = "-two-host"
 TWO_HOST_CONFIGS = ("write" + TWO_HOST_SUFFIX, "read" + TWO_HOST_SUFFIX)  # P and D in two network namespaces
@@ -22,22 +25,29 @@ PD_CONFIGS = ("write", "read", "nixl", "adaptive", *TWO_HOST_CONFIGS)  # a prefi
 class Budget:
     prefill: int | None = None  # plain configurations: every instance
     decode: int | None = None
+    serve_decode: bool = False  # adaptive: the prefill instance serves whole requests too
 
     @classmethod
     def parse(cls, spec: str) -> "Budget":
-        parts = [p.strip() for p in spec.strip().split("/")]
+        text = spec.strip()
+        serve = text.endswith(SERVE_SUFFIX)
+        parts = [p.strip() for p in text.removesuffix(SERVE_SUFFIX).split("/")]
         if len(parts) > 2 or not all(parts):
-            raise ConfigError(f"budget {spec!r} is not default, TOKENS or PREFILL/DECODE (e.g. 512/256)")
+            raise ConfigError(f"budget {spec!r} is not default, TOKENS or PREFILL/DECODE (e.g. 512/256), "
+                              f"optionally followed by {SERVE_SUFFIX}")
         values = [None if p == "default" else _tokens(p, spec) for p in parts]
-        return cls(values[0], values[1] if len(values) == 2 else None)
+        return cls(values[0], values[1] if len(values) == 2 else None, serve)
 
     def check(self, config: str) -> None:
         if config in PLAIN_CONFIGS and self.decode is not None:
             raise ConfigError(f"{config} has no decode instance: budget {self} names one")
+        if self.serve_decode and config != "adaptive":
+            raise ConfigError(f"budget {self}: only adaptive's prefill instance can serve whole requests ({config})")
 
     def __str__(self) -> str:
         text = "default" if self.prefill is None else str(self.prefill)
-        return text if self.decode is None else f"{text}/{self.decode}"
+        text = text if self.decode is None else f"{text}/{self.decode}"
+        return text + (SERVE_SUFFIX if self.serve_decode else "")
 
 
 def _tokens(text: str, spec: str) -> int:

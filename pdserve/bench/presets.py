@@ -28,7 +28,8 @@ audit of the first committed run):
   inter-chunk gap (100 ms with TTFT<500 ms or <1 s; 50 ms with TTFT<1 s), where decode smoothness
   is the objective.
 * Adaptive's decode instance keeps its streams' mean ITL under 50 ms and no chunk step over 100 ms
-  (placement.py); its chunk of 32 or 64 tokens is what tuning picks.
+  (placement.py); its chunk of 32 or 64 tokens is what tuning picks, and whether the prefill
+  instance also serves whole requests (``+serve``, for decode-heavy traffic).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ PRESETS: dict[str, BenchPlan] = {
         headline_rate=0.3,
         candidates=(("collocated", ("default", "256")), ("round-robin", ("default", "256")),
                     ("write", ("default", "512")), ("read", ("default", "512")),
-                    ("adaptive", ("512/32", "512/64"))),
+                    ("adaptive", ("512/32", "512/64", "512/64+serve"))),
     ),
     # The product in a few minutes on the tiny model: PD (write, adaptive) against plain serving.
     "quick": BenchPlan(

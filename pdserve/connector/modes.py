@@ -176,4 +176,6 @@ def adaptive(options: UpOptions) -> Deployment:
     for key in ("itl_target_ms", "max_step_ms"):
         if getattr(options, key) is not None:
             extra[key] = getattr(options, key)
+    if options.serve_decode:
+        extra["serve_decode"] = True
     return pd_deployment(tuned, "write", extra)

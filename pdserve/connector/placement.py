@@ -68,6 +68,7 @@ class PlacementConfig:
     max_step_ms: float = 100.0  # D: no local chunk step may take longer while D decodes
     transfer_overhead_ms: float = 20.0  # D: router hop + transfer + D's first step, added to remote TTFT
     max_local_tokens: float = float("inf")  # D: never prefill more uncached tokens than this itself
+    serve_decode: bool = False  # P: also a decode instance for the router, serving whole requests (whole_requests.py)
 
     @property
     def adaptive(self) -> bool:
@@ -75,7 +76,7 @@ class PlacementConfig:
 
 
 PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "max_step_ms", "transfer_overhead_ms",
-                  "max_local_tokens")
+                  "max_local_tokens", "serve_decode")
 ITL_HEADROOM = 0.9  # of the mean-ITL allowance a local prefill may use: streams differ from the mean
 
 
@@ -98,7 +99,13 @@ def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
         if not 0 <= number < 1e9 or (key != "transfer_overhead_ms" and number == 0):
             raise ConfigError(f"kv_connector_extra_config.{key} out of range: {number}")
         numbers[field] = number
-    return PlacementConfig(policy, **numbers)
+    serve_decode = extra.get("serve_decode", False)
+    if serve_decode not in (True, False):
+        raise ConfigError(f"kv_connector_extra_config.serve_decode must be true or false, got {serve_decode!r}")
+    if serve_decode and policy != "adaptive":
+        raise ConfigError("kv_connector_extra_config.serve_decode needs placement adaptive: the prefill leg of a "
+                          "request the prefill instance serves whole must wait to be dropped")
+    return PlacementConfig(policy, **numbers, serve_decode=bool(serve_decode))
 
 
 def drain_seconds(load: PrefillLoad, tokens: int) -> float:

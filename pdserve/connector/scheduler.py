@@ -22,6 +22,7 @@ from pdserve.connector.placement import Decision, Placement, make_policy
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
 from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.connector.step_costs import StepCosts
+from pdserve.connector.whole_requests import SERVED_WHOLE, addressed_to_self
 from pdserve.control.messages import PrefillLoad
 from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params
@@ -178,6 +179,13 @@ class PDScheduler:
         if params is None:
             return 0, False
         verdict = self._gate.verdict(rid)
+        if verdict is Verdict.ASK and addressed_to_self(params, self._config):
+            # its decode leg was sent here too (serve_decode) and is served whole: drop this one
+            dropped = truncate_to_one_token(request)
+            self._gate.on_decisions({rid: not dropped})
+            if dropped:
+                self._meta.placements.append(SERVED_WHOLE)
+            verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK:
             self._meta.awaits.append(AwaitSpec(rid, params.transfer_id, params.peer))
             self._legs[rid] = request
@@ -218,6 +226,9 @@ class PDScheduler:
                 params.require_peer()
         except ProtocolError as exc:
             logger.error("pdserve: request %s: bad kv_transfer_params, prefilling without transfer: %s", rid, exc)
+            return
+        if params is not None and addressed_to_self(params, self._config):
+            logger.warning("pdserve: request %s names this instance as its decode instance: its KV stays here", rid)
             return
         if params is not None:
             self._pending_sends[rid] = _PendingSend(request, params)

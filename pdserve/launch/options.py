@@ -59,6 +59,7 @@ class UpOptions:
     decode_chunk: int | None = None  # --long-prefill-token-threshold of decode instances: one prompt's tokens a step
     itl_target_ms: float | None = None  # adaptive placement: decode prefills locally only within this mean ITL
     max_step_ms: float | None = None  # ... and while one chunk step takes no longer than this
+    serve_decode: bool = False  # adaptive placement: the prefill instance serves whole requests too
     num_prefill: int = 1
     num_decode: int = 1
 
@@ -79,6 +80,11 @@ class UpOptions:
                              ("decode chunk", self.decode_chunk)):
             if budget is not None and not 16 <= budget <= 1 << 20:
                 raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
+        if self.serve_decode and self.mode != "adaptive":
+            raise ConfigError(f"the prefill instance serves whole requests only in adaptive mode, not {self.mode}")
+        if self.serve_decode and self.num_prefill != 1:
+            raise ConfigError(f"a prefill instance serves whole requests only when it is the only one: the router "
+                              f"pairs a request's legs across instances ({self.num_prefill} prefill instances given)")
         for name, ms in (("ITL target", self.itl_target_ms), ("largest step", self.max_step_ms)):
             if ms is not None and not 0 < ms < 1e6:
                 raise ConfigError(f"{name} {ms} ms is not a positive number of milliseconds")

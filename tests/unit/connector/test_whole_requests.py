@@ -1,0 +1,87 @@
+"""P serving whole requests (serve_decode): the router sends both legs of a request to P."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.budget import Budget
+from pdserve.config import TransferMode
+from pdserve.connector.registration import RouterRegistration
+from pdserve.connector.scheduler import PDScheduler
+from pdserve.errors import ConfigError
+from pdserve.launch.options import UpOptions
+from tests.unit.connector.harness import make_config
+from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, HEX, FakeBlocks, Scheduler, SchedulerOutput,
+                                                  consumer_params, producer_params)
+from tests.unit.connector.test_scheduler_placement import VllmLikeRequest
+
+# both legs name P (127.0.0.1:6301) as prefill and as decode instance: the router picked P for both
+SELF_ID = ("cmpl-___prefill_addr_host:127.0.0.1,handshake:6301,notify:6401"
+           f"___decode_addr_host:127.0.0.1,handshake:6301,notify:6401_{HEX}-0-abcdef12")
+
+
+def serving_p(**extra) -> Scheduler:
+    config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, **extra)
+    return Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512))
+
+
+@pytest.mark.parametrize("decode_leg_first", [True, False])
+def test_both_legs_on_p_the_decode_leg_is_served_whole_and_the_prefill_leg_dropped(decode_leg_first):
+    s = serving_p()
+    prefill_leg = VllmLikeRequest(SELF_ID + "-p", producer_params(), 100)
+    decode_leg = VllmLikeRequest(SELF_ID + "-d", consumer_params(), 100)
+    legs = [decode_leg, prefill_leg] if decode_leg_first else [prefill_leg, decode_leg]
+    answers = {id(r): s.scheduler.get_num_new_matched_tokens(r, 0) for r in legs}
+    assert answers[id(decode_leg)] == (0, False)  # a plain request for P: prefilled and decoded here
+    assert decode_leg.num_prompt_tokens == 100
+    # the prefill leg is cut to one token at once, without waiting for a decode instance's word
+    assert answers[id(prefill_leg)] == (0, False) and prefill_leg.num_prompt_tokens == 1
+    meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
+    assert meta.awaits == [] and meta.placements == ["whole:serve_decode"]
+    for request, blocks in ((prefill_leg, [3]), (decode_leg, [4, 5])):
+        s.kv.blocks[request.request_id] = blocks
+        s.scheduler.update_state_after_alloc(request, FakeBlocks(blocks), 0)
+    meta = s.scheduler.build_connector_meta(SchedulerOutput({prefill_leg.request_id: 1, decode_leg.request_id: 100}))
+    assert meta.sends == [] and meta.cancels == []  # P never pushes KV to itself
+    assert s.scheduler.request_finished(prefill_leg, [3]) == (False, None)
+    assert s.scheduler.request_finished(decode_leg, [4, 5]) == (False, None)
+    assert not s.scheduler.has_pending_push_work()
+
+
+def test_a_leg_for_another_decode_instance_still_waits_for_its_word():
+    s = serving_p()
+    leg = VllmLikeRequest(SELF_ID.replace("handshake:6301,notify:6401_", "handshake:6302,notify:6402_"),
+                          producer_params(), 100)
+    assert s.scheduler.get_num_new_matched_tokens(leg, 0) == (None, False)
+    assert leg.num_prompt_tokens == 100 and len(s.scheduler.build_connector_meta(SchedulerOutput({})).awaits) == 1
+
+
+def test_p_registers_as_decode_instance_too_only_with_serve_decode():
+    def roles(**extra):
+        config = make_config("kv_producer", TransferMode.WRITE, proxy_ip="127.0.0.1", proxy_ping_port=1,
+                             http_port=2, **extra)
+        registration = RouterRegistration(config)
+        try:
+            return [(p["type"], p["zmq_address"]) for p in registration.payloads()]
+        finally:
+            registration.stop()
+
+    zmq = "host:127.0.0.1,handshake:6301,notify:6401"
+    assert roles() == [("P", zmq)]
+    assert roles(placement="adaptive", serve_decode=True) == [("P", zmq), ("D", zmq)]
+
+
+def test_serve_decode_is_checked_at_the_edges():
+    with pytest.raises(ConfigError, match="serve_decode needs placement adaptive"):
+        make_config("kv_producer", TransferMode.WRITE, serve_decode=True)
+    with pytest.raises(ConfigError, match="serve_decode must be true or false"):
+        make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode="sometimes")
+    with pytest.raises(ConfigError, match="only in adaptive mode, not write"):
+        UpOptions(mode="write", model="/m", serve_decode=True)
+    with pytest.raises(ConfigError, match="only when it is the only one"):
+        UpOptions(mode="adaptive", model="/m", serve_decode=True, num_prefill=2)
+    budget = Budget.parse("512/64+serve")
+    assert (budget, str(budget)) == (Budget(512, 64, True), "512/64+serve")
+    budget.check("adaptive")
+    with pytest.raises(ConfigError, match="only adaptive's prefill instance"):
+        budget.check("write")
