@@ -180,11 +180,14 @@ class PDScheduler:
             return 0, False
         verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK and addressed_to_self(params, self._config):
-            # its decode leg was sent here too (serve_decode) and is served whole: drop this one
+            # its decode leg was sent here too (serve_decode) and is served whole: drop this one. vLLM
+            # looked up the full prompt's prefix-cache hits for this pass already, so the cut leg
+            # waits one step and is looked up again as the one-token prompt it now is
             dropped = truncate_to_one_token(request)
             self._gate.on_decisions({rid: not dropped})
             if dropped:
                 self._meta.placements.append(SERVED_WHOLE)
+                return None, False
             verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK:
             self._meta.awaits.append(AwaitSpec(rid, params.transfer_id, params.peer))

@@ -34,8 +34,10 @@ def test_both_legs_on_p_the_decode_leg_is_served_whole_and_the_prefill_leg_dropp
     answers = {id(r): s.scheduler.get_num_new_matched_tokens(r, 0) for r in legs}
     assert answers[id(decode_leg)] == (0, False)  # a plain request for P: prefilled and decoded here
     assert decode_leg.num_prompt_tokens == 100
-    # the prefill leg is cut to one token at once, without waiting for a decode instance's word
-    assert answers[id(prefill_leg)] == (0, False) and prefill_leg.num_prompt_tokens == 1
+    # the prefill leg is cut to one token at once, without waiting for a decode instance's word; it
+    # waits one step so that vLLM looks up its prefix-cache hits again, for the one-token prompt
+    assert answers[id(prefill_leg)] == (None, False) and prefill_leg.num_prompt_tokens == 1
+    assert s.scheduler.get_num_new_matched_tokens(prefill_leg, 0) == (0, False)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     assert meta.awaits == [] and meta.placements == ["whole:serve_decode"]
     for request, blocks in ((prefill_leg, [3]), (decode_leg, [4, 5])):
