@@ -133,6 +133,16 @@ def metrics(url: str) -> dict[str, float]:
     return parse_samples(requests.get(f"{url}/metrics", timeout=30).text)
 
 
+def snapshot(cluster: Cluster) -> dict[str, dict[str, float]]:
+    """Both instances' samples of a 1P+1D cluster, keyed "p" and "d"."""
+    return {"p": metrics(cluster.prefill_url), "d": metrics(cluster.decode_url)}
+
+
+def moved(before: dict, after: dict, side: str, name: str, **labels) -> float:
+    """How far counter `name` (summed over samples matching `labels`) moved on `side` ("p" or "d")."""
+    return metric(after[side], name, **labels) - metric(before[side], name, **labels)
+
+
 def wait_idle(url: str, timeout: float) -> float:
     """Wait until the instance's KV cache usage is back to 0 (no running request, no held block);
     returns the seconds it took, fails the test at the deadline."""

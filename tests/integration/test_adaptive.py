@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.compare import compare_greedy
-from tests.integration.pd_helpers import (collocated_reference, greedy, metric, metrics, pd_pair, prompts,
+from tests.integration.pd_helpers import (collocated_reference, greedy, moved, pd_pair, prompts, snapshot,
                                           wait_idle)
 
 pytestmark = pytest.mark.integration
@@ -32,28 +32,27 @@ def adaptive(reference):
 
 
 def test_adaptive_output_equals_collocated_with_both_placements(adaptive, reference):
-    before_d, before_p = metrics(adaptive.decode_url), metrics(adaptive.prefill_url)
+    before = snapshot(adaptive)
     output = greedy(adaptive.endpoint, adaptive, PROMPTS)
     result = compare_greedy(reference, output)
     print("adaptive", result.summary())
     assert result.ok, result.mismatches()
 
-    after_d, after_p = metrics(adaptive.decode_url), metrics(adaptive.prefill_url)
-    moved = lambda samples, name, **labels: metric(after_d if samples == "d" else after_p, name, **labels) - \
-        metric(before_d if samples == "d" else before_p, name, **labels)
-    local = moved("d", "pdserve:placements_total", placement="local")
-    remote = moved("d", "pdserve:placements_total", placement="remote")
+    after = snapshot(adaptive)
+    delta = lambda side, name, **labels: moved(before, after, side, name, **labels)  # noqa: E731
+    local = delta("d", "pdserve:placements_total", placement="local")
+    remote = delta("d", "pdserve:placements_total", placement="remote")
     print(f"placements: local {local:.0f}, remote {remote:.0f}")
     assert local + remote == len(PROMPTS), "every disaggregated request is placed exactly once"
     assert local >= len(PROMPTS) / 4 and remote >= len(PROMPTS) / 4, (local, remote)
     # what D placed remote moved from P; what it placed local P never computed nor sent
-    assert moved("p", "pdserve:kv_transfers_completed_total") == remote
-    assert moved("d", "pdserve:kv_transfers_completed_total") == remote
-    assert moved("d", "pdserve:kv_recomputed_total") == 0
+    assert delta("p", "pdserve:kv_transfers_completed_total") == remote
+    assert delta("d", "pdserve:kv_transfers_completed_total") == remote
+    assert delta("d", "pdserve:kv_recomputed_total") == 0
     # every prompt token is computed once, by P or by D, plus at most one token per leg on each side:
     # a leg D prefilled itself ran on P as a one-token prompt, not as the whole prompt again
-    computed = moved("p", "vllm:prompt_tokens_by_source_total", source="local_compute") + \
-        moved("d", "vllm:prompt_tokens_by_source_total", source="local_compute")
+    computed = delta("p", "vllm:prompt_tokens_by_source_total", source="local_compute") + \
+        delta("d", "vllm:prompt_tokens_by_source_total", source="local_compute")
     total = sum(len(p) for p in PROMPTS)
     print(f"prompt tokens: {total}, computed by P and D together: {computed:.0f}")
     assert computed <= total + 2 * len(PROMPTS), "a prompt D prefilled itself was prefilled on P too"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.compare import compare_greedy
-from tests.integration.pd_helpers import (collocated_reference, greedy, metric, metrics, pd_pair, prompts,
+from tests.integration.pd_helpers import (collocated_reference, greedy, moved, pd_pair, prompts, snapshot,
                                           wait_idle)
 
 pytestmark = pytest.mark.integration
@@ -29,28 +29,27 @@ def serving(reference):
 
 
 def test_p_serves_a_share_of_whole_requests_and_every_answer_equals_collocated(serving, reference):
-    before_d, before_p = metrics(serving.decode_url), metrics(serving.prefill_url)
+    before = snapshot(serving)
     output = greedy(serving.endpoint, serving, PROMPTS)
     result = compare_greedy(reference, output)
     print("serve_decode", result.summary())
     assert result.ok, result.mismatches()
 
-    after_d, after_p = metrics(serving.decode_url), metrics(serving.prefill_url)
-    moved = lambda samples, name, **labels: metric(after_d if samples == "d" else after_p, name, **labels) - \
-        metric(before_d if samples == "d" else before_p, name, **labels)
-    whole = moved("p", "pdserve:placements_total", placement="whole", reason="serve_decode")
-    on_d = moved("d", "pdserve:placements_total")
+    after = snapshot(serving)
+    delta = lambda side, name, **labels: moved(before, after, side, name, **labels)  # noqa: E731
+    whole = delta("p", "pdserve:placements_total", placement="whole", reason="serve_decode")
+    on_d = delta("d", "pdserve:placements_total")
     print(f"served whole on P: {whole:.0f}, decoded on D: {on_d:.0f}")
     # the router picks the decode instance at random among two: fewer than 5 of 40 either way is ~1e-7
     assert whole + on_d == len(PROMPTS) and whole >= 5 and on_d >= 5, (whole, on_d)
-    remote = moved("d", "pdserve:placements_total", placement="remote")
-    assert moved("p", "pdserve:kv_transfers_completed_total") == remote
-    assert moved("d", "pdserve:kv_transfers_completed_total") == remote
-    assert moved("p", "pdserve:kv_transfers_failed_total") == 0 and moved("d", "pdserve:kv_recomputed_total") == 0
+    remote = delta("d", "pdserve:placements_total", placement="remote")
+    assert delta("p", "pdserve:kv_transfers_completed_total") == remote
+    assert delta("d", "pdserve:kv_transfers_completed_total") == remote
+    assert delta("p", "pdserve:kv_transfers_failed_total") == 0 and delta("d", "pdserve:kv_recomputed_total") == 0
     # every prompt token is computed once, plus at most one token per dropped leg: P never ran a
     # prompt twice for a request it served whole
-    computed = moved("p", "vllm:prompt_tokens_by_source_total", source="local_compute") + \
-        moved("d", "vllm:prompt_tokens_by_source_total", source="local_compute")
+    computed = delta("p", "vllm:prompt_tokens_by_source_total", source="local_compute") + \
+        delta("d", "vllm:prompt_tokens_by_source_total", source="local_compute")
     total = sum(len(p) for p in PROMPTS)
     print(f"prompt tokens: {total}, computed by P and D together: {computed:.0f}")
     assert computed <= total + 2 * len(PROMPTS)
