@@ -32,7 +32,7 @@ def uncomputed_prompt_tokens(requests: dict) -> int:
 
 
 STREAM_WEIGHT = 0.05  # of each finished request in the mean output length
-MAX_SPAN_S = 120.0  # prompt tokens computed longer ago than this are forgotten
+MAX_SPAN_S = 120.0  # steps longer ago than this are forgotten
 
 
 class DecodeLoad:
@@ -65,7 +65,10 @@ class DecodeLoad:
     def on_step(self, seconds: float, decodes: int) -> None:
         """A finished step that took `seconds` and gave `decodes` streams a token each."""
         if decodes > 0 and seconds >= 0:
-            self._steps.append((self._clock(), seconds, decodes))
+            now = self._clock()
+            self._steps.append((now, seconds, decodes))
+            while now - self._steps[0][0] > MAX_SPAN_S:  # bounded whether or not anyone asks
+                self._steps.popleft()
 
     def on_finished(self, output_tokens: int) -> None:
         """A request that ended after `output_tokens` tokens (its stream's length)."""
@@ -80,8 +83,6 @@ class DecodeLoad:
         """The mean time between two tokens of D's streams over the last stream lifetime (None: no
         stream finished yet, or no token in that span)."""
         now = self._clock()
-        while self._steps and now - self._steps[0][0] > MAX_SPAN_S:
-            self._steps.popleft()
         span = self._stream_tokens * self._itl_target_s
         recent = [(seconds, decodes) for when, seconds, decodes in self._steps if now - when < span]
         tokens = sum(decodes for _, decodes in recent)

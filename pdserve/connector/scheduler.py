@@ -54,7 +54,7 @@ class PDScheduler:
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
         # D, placement
         self._policy = make_policy(config.placement)
-        self._decode_load = DecodeLoad(budget, config.placement.itl_target_ms / 1000, chunk=chunk or budget)
+        self._decode_load = DecodeLoad(budget, config.placement.itl_target_ms / 1000, chunk=chunk)
         self._decisions: dict[str, Decision] = {}
         self._next_placement_log = 0.0
         # P
