@@ -59,7 +59,7 @@ PRESETS: dict[str, BenchPlan] = {
         headline_rate=0.3,
         candidates=(("collocated", ("default", "256")), ("round-robin", ("default", "256")),
                     ("write", ("default", "512")), ("read", ("default", "512")),
-                    ("adaptive", ("512/32", "512/64", "512/64+serve"))),
+                    ("adaptive", ("512", "512+serve"))),  # D's chunk follows its streams (local_chunk.py)
     ),
     # The product in a few minutes on the tiny model: PD (write, adaptive) against plain serving.
     "quick": BenchPlan(

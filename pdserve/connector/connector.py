@@ -65,6 +65,15 @@ def _apply_load_failure_policy(transfer_config, policy: str) -> None:
     transfer_config.kv_load_failure_policy = policy
 
 
+def _chunk_setter(scheduler_config):
+    """How the scheduler half sets D's per-prompt prefill limit for the next step: vLLM's scheduler
+    reads `long_prefill_token_threshold` from its config at the start of every step (and ignores it
+    while only one request is running or waiting, when nobody can be starved)."""
+    def set_chunk(tokens: int) -> None:
+        scheduler_config.long_prefill_token_threshold = tokens
+    return set_chunk
+
+
 class PDWorkerNews(KVConnectorWorkerMetadata):
     """vLLM's worker -> scheduler metadata: carries the worker half's WorkerNews."""
 
@@ -100,7 +109,8 @@ class PDConnector(KVConnectorBase_V1):
             scheduler_config = vllm_config.scheduler_config
             self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size,
                                           scheduler_config.max_num_batched_tokens,
-                                          getattr(scheduler_config, "long_prefill_token_threshold", 0) or None)
+                                          getattr(scheduler_config, "long_prefill_token_threshold", 0) or None,
+                                          set_chunk=_chunk_setter(scheduler_config))
             if self._config.proxy_ip:
                 self._registration = RouterRegistration(self._config)
         else:

@@ -97,8 +97,18 @@ class DecodeLoad:
     def local_backlog(self) -> int:
         return uncomputed_prompt_tokens(self._local)
 
-    def view(self, peer: PeerAddress) -> DecodeView:
-        key = (peer.host, peer.handshake_port)
+    def local_prompts(self) -> int:
+        """Prompts D is prefilling itself and has not finished computing."""
+        uncomputed_prompt_tokens(self._local)
+        return len(self._local)
+
+    def some_load(self) -> PrefillLoad | None:
+        """The latest load of one of the prefill instances (for P's per-token cost before D has its own)."""
+        return max(self._loads.values(), key=lambda load: load.at, default=None)
+
+    def view(self, peer: PeerAddress | None) -> DecodeView:
+        """D's side of a decision for a prompt `peer` would prefill (None: no particular P)."""
+        key = (peer.host, peer.handshake_port) if peer is not None else None
         outstanding = sum(tokens for p, tokens in self._remote.values() if p == key)
         return DecodeView(self.running_decodes, self.local_backlog(), outstanding, self.budget,
                           self.costs.coefficients(), self.costs.knows_prefill, self.recent_itl(),

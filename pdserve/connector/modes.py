@@ -159,10 +159,13 @@ def read(options: UpOptions) -> Deployment:
 
 
 ADAPTIVE_PREFILL_BUDGET = 512  # one 512-token prompt per P step: no prompt waits behind three others
-ADAPTIVE_DECODE_BUDGET = 64  # D's local prefill chunk: a chunk step stays under the 100 ms step bound
-# D's step budget is its chunk plus this: a local prefill's chunk never takes the whole budget, so
-# D's decodes always fit and vLLM still looks at new requests (it admits none while the budget is
-# spent), i.e. D decides a new request's placement within one step even while it prefills one itself
+# The most tokens of local prefill D computes in one step: a 512-token prompt in one step while D has
+# no stream running. With streams running the connector lowers the limit step by step so that no
+# step exceeds max_step_ms (local_chunk.py).
+ADAPTIVE_DECODE_BUDGET = 512
+# D's step budget is that cap plus this: a local prefill never takes the whole budget, so D's decodes
+# always fit and vLLM still looks at new requests (it admits none while the budget is spent), i.e. D
+# decides a new request's placement within one step even while it prefills one itself
 ADAPTIVE_DECODE_RESERVE = 64
 
 

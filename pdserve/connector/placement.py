@@ -13,7 +13,10 @@ smaller one, within two bounds that protect D's running streams (that is what di
   saw over the last stream lifetime plus that stays within ITL_HEADROOM x the target. Measured, not
   modelled, so it follows what D's local prefills already cost: as D takes more of them its
   streams' ITL rises (decode_step / (1 - prefill share)) until the guard stops adding more.
-* one step (`max_step_ms`, what max-gap / stall SLOs bound): no local chunk step may take longer.
+* one step (`max_step_ms`, what max-gap / stall SLOs bound): while D decodes, its local prefill runs
+  in chunks no step of which takes longer (`local_chunk.py`: the chunk follows D's streams, the whole
+  prompt when none runs). The default is the ITL target's default: a local prefill never makes a
+  stream wait longer than one target ITL for a token.
 
 `StaticPolicy` always disaggregates.
 """
@@ -26,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
+from pdserve.connector.local_chunk import MIN_CHUNK, chunk_tokens
 from pdserve.connector.step_costs import Coefficients, StepCosts
 from pdserve.control.messages import PrefillLoad
 from pdserve.errors import ConfigError
@@ -44,7 +48,7 @@ class Reason(enum.Enum):
     REMOTE_FASTER = "remote_faster"
     LOCAL_FASTER = "local_faster"
     ITL_GUARD = "itl_guard"  # local would be faster, but D's streams would exceed the mean ITL target
-    STEP_GUARD = "step_guard"  # local would be faster, but one chunk step would exceed max_step_ms
+    STEP_GUARD = "step_guard"  # D's streams leave no chunk of prefill room within max_step_ms
     LONG_PROMPT = "long_prompt"  # more uncached tokens than max_local_tokens: always disaggregated
 
 
@@ -65,7 +69,7 @@ class PlacementConfig:
     policy: str = "static"
     wait_s: float = 2.0  # P: how long a prefill leg waits for D's decision before prefilling anyway
     itl_target_ms: float = 50.0  # D: its running streams' mean ITL must stay under this
-    max_step_ms: float = 100.0  # D: no local chunk step may take longer while D decodes
+    max_step_ms: float = 50.0  # D: no local chunk step may take longer while D decodes
     transfer_overhead_ms: float = 20.0  # D: router hop + transfer + D's first step, added to remote TTFT
     max_local_tokens: float = float("inf")  # D: never prefill more uncached tokens than this itself
     serve_decode: bool = False  # P: also a decode instance for the router, serving whole requests (whole_requests.py)
@@ -126,7 +130,7 @@ class DecodeView:
     knows_prefill: bool
     recent_itl_s: float | None = None  # mean ITL of D's streams over a stream's life (None: not measured)
     stream_tokens: float = 0.0  # mean output tokens of D's finished requests (0: none finished yet)
-    chunk: int = 0  # the most tokens of one prompt D computes in a step (--long-prefill-token-threshold; 0: budget)
+    chunk: int = 0  # the most tokens of local prefill D computes in a step, the cap of local_chunk.py (0: budget)
 
 
 class PlacementPolicy(Protocol):
@@ -146,19 +150,24 @@ class AdaptivePolicy:
     def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None) -> Decision:
         if uncached_tokens > self._config.max_local_tokens:
             return Decision(Placement.REMOTE, Reason.LONG_PROMPT)
-        local_costs = self._local_costs(view, load)
+        local_costs = self.local_costs(view, load)
         if local_costs is None or load is None and not view.knows_prefill:
             return Decision(Placement.REMOTE, Reason.WARMING_UP)
         remote = self._remote_ttft(uncached_tokens, view, load, local_costs)
-        local, chunk_step = self._local_ttft(uncached_tokens, view, local_costs)
+        chunk = self.chunk(view, local_costs)
+        if chunk < MIN_CHUNK:
+            return Decision(Placement.REMOTE, Reason.STEP_GUARD, None, remote)
+        local = self._local_ttft(uncached_tokens, view, local_costs, chunk)
         if local >= remote:
             return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote)
-        if view.running_decodes > 0:
-            if chunk_step * 1000 > self._config.max_step_ms:
-                return Decision(Placement.REMOTE, Reason.STEP_GUARD, local, remote)
-            if not self._within_itl(uncached_tokens, view, local_costs):
-                return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote)
+        if view.running_decodes > 0 and not self._within_itl(uncached_tokens, view, local_costs):
+            return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote)
         return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)
+
+    def chunk(self, view: DecodeView, costs: Coefficients | None) -> int:
+        """Local prefill tokens D's next step may compute (local_chunk.py), within its budget."""
+        cap = min(view.chunk or view.budget, max(0, view.budget - view.running_decodes))
+        return chunk_tokens(costs, view.running_decodes, self._config.max_step_ms / 1000, cap)
 
     def _within_itl(self, tokens: int, view: DecodeView, costs: Coefficients) -> bool:
         """Whether D's running streams keep their mean ITL under the target with this prompt
@@ -169,7 +178,7 @@ class AdaptivePolicy:
         added = costs.per_prefill_token_s * (view.local_backlog_tokens + tokens) / view.stream_tokens
         return itl + added <= ITL_HEADROOM * self._config.itl_target_ms / 1000
 
-    def _local_costs(self, view: DecodeView, load: PrefillLoad | None) -> Coefficients | None:
+    def local_costs(self, view: DecodeView, load: PrefillLoad | None) -> Coefficients | None:
         """D's step costs; until D has prefilled anything itself, its per-token cost is P's."""
         if view.costs is None:
             return None
@@ -185,17 +194,12 @@ class AdaptivePolicy:
         queued = max(load.queued_tokens - drained, view.remote_outstanding_tokens, 0)
         return drain_seconds(load, queued + tokens) + self._config.transfer_overhead_ms / 1000
 
-    def _local_ttft(self, tokens: int, view: DecodeView, costs: Coefficients) -> tuple[float, float]:
-        """(TTFT of a local prefill behind D's local backlog, wall time of one chunk step).
-
-        A step computes at most `chunk` tokens of one prompt and `budget` in all: this prompt's chunk
-        and, while the backlog lasts, the chunk of the prompt before it."""
-        room = max(1, view.budget - view.running_decodes)
-        chunk = min(view.chunk or view.budget, room)
+    def _local_ttft(self, tokens: int, view: DecodeView, costs: Coefficients, chunk: int) -> float:
+        """TTFT of a local prefill behind D's local backlog: the prompts in progress share `chunk`
+        tokens a step."""
         total = view.local_backlog_tokens + tokens
-        per_step = min(room, chunk * (2 if view.local_backlog_tokens else 1))
-        step = costs.step_seconds(min(per_step, total), view.running_decodes)
-        return math.ceil(total / per_step) * step, step
+        step = costs.step_seconds(min(chunk, total), view.running_decodes)
+        return math.ceil(total / chunk) * step
 
 
 def make_policy(config: PlacementConfig) -> PlacementPolicy:

@@ -11,14 +11,15 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.decode_load import DecodeLoad, uncomputed_prompt_tokens
 from pdserve.connector.guard import guarded
 from pdserve.connector.leg_truncation import truncate_to_one_token
+from pdserve.connector.local_chunk import threshold
 from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
-from pdserve.connector.placement import Decision, Placement, make_policy
+from pdserve.connector.placement import AdaptivePolicy, Decision, Placement, make_policy
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
 from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.connector.step_costs import StepCosts
@@ -40,8 +41,11 @@ class _PendingSend:
 class PDScheduler:
     """Called by vLLM's scheduler; see vLLM's KVConnectorBase_V1 for when each hook runs."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048, chunk: int | None = None):
+    def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048, chunk: int | None = None,
+                 set_chunk: Callable[[int], None] | None = None):
         self._config = config
+        self._set_chunk = set_chunk  # D, adaptive: sets vLLM's per-prompt prefill limit for the next step
+        self._chunk_limit: int | None = None  # the limit it last set
         self._block_size = block_size
         self._budget = budget  # this instance's --max-num-batched-tokens
         self._kv_cache_manager = None
@@ -83,6 +87,7 @@ class PDScheduler:
             self._cancel_preempted_sends(getattr(scheduler_output, "preempted_req_ids", None) or ())
             self._emit_due_sends(scheduler_output.num_scheduled_tokens)
         self._start_step(scheduler_output.num_scheduled_tokens)
+        self._apply_local_chunk()
         if self._gate is not None:
             self._meta.load = self._prefill_load()
         meta, self._meta = self._meta, StepPlan()
@@ -108,6 +113,17 @@ class PDScheduler:
         decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
         self._decode_load.running_decodes = decodes
         self._step = (time.monotonic(), prefill, decodes) if prefill or decodes else None
+
+    def _apply_local_chunk(self) -> None:
+        """D, adaptive: the next step's limit on one prompt's prefill tokens, from the decodes of
+        this one (local_chunk.py): local prompts never stretch a step past max_step_ms."""
+        if self._set_chunk is None or self._config.role is not Role.CONSUMER or not isinstance(self._policy, AdaptivePolicy):
+            return
+        load = self._decode_load
+        view = load.view(None)
+        chunk = self._policy.chunk(view, self._policy.local_costs(view, load.some_load()))
+        self._chunk_limit = threshold(chunk, load.local_prompts())
+        self._set_chunk(self._chunk_limit)
 
     def _end_step(self) -> None:
         if self._step is not None:
@@ -385,10 +401,11 @@ class PDScheduler:
         self._next_placement_log = now + PLACEMENT_LOG_EVERY_S
         view = self._decode_load.view(params.peer)
         fmt = lambda v: "-" if v is None else f"{1000 * v:.0f} ms"
-        logger.info("pdserve: placement %s (local %s, remote %s); decode: %d running, %d backlog tokens, mean ITL %s "
-                    "over the last %.0f-token stream, costs %s; prefill %s:%d: %s", decision.label,
+        logger.info("pdserve: placement %s (local %s, remote %s); decode: %d running, %d backlog tokens, chunk %s, "
+                    "mean ITL %s over the last %.0f-token stream, costs %s; prefill %s:%d: %s", decision.label,
                     fmt(decision.ttft_local_s), fmt(decision.ttft_remote_s), view.running_decodes,
-                    view.local_backlog_tokens, fmt(view.recent_itl_s), view.stream_tokens, view.costs, params.peer.host,
+                    view.local_backlog_tokens, self._chunk_limit, fmt(view.recent_itl_s), view.stream_tokens,
+                    view.costs, params.peer.host,
                     params.peer.handshake_port, self._decode_load.load_of(params.peer))
 
     def _finish_recv(self, request) -> None:

@@ -62,13 +62,14 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
                    help="--max-num-batched-tokens of the prefill instance(s) in PD modes (default: vLLM's)")
     p.add_argument("--decode-budget", type=int, metavar="TOKENS",
                    help="--max-num-batched-tokens of the decode instance(s) in PD modes; with adaptive "
-                        "placement, the chunk in which decode prefills a prompt itself (default: vLLM's)")
+                        "placement, the most prompt tokens decode prefills itself in one step (default 512; "
+                        "fewer while it decodes, see --max-step-ms)")
     p.add_argument("--itl-target-ms", type=float, metavar="MS",
                    help="adaptive mode: decode prefills a prompt itself only while its running streams keep "
                         "their mean inter-token latency under this (default 50)")
     p.add_argument("--max-step-ms", type=float, metavar="MS",
-                   help="adaptive mode: ... and while one of its chunk steps takes no longer than this, the "
-                        "largest gap a stream then sees (default 100)")
+                   help="adaptive mode: while decode has streams running, it prefills in chunks no step of "
+                        "which takes longer than this, the largest gap a stream then sees (default 50)")
     p.add_argument("--prefill-serves-decode", action="store_true",
                    help="adaptive mode, one prefill instance: it registers with the router as a decode instance "
                         "too and serves the requests sent to it whole (for decode-heavy traffic)")

@@ -57,25 +57,32 @@ def test_a_long_prefill_queue_sends_the_prompt_local():
     assert decision.ttft_local_s < decision.ttft_remote_s
 
 
-def test_the_step_guard_bounds_one_chunk_step():
-    # 64-token chunk + 10 decodes: 10 + 54 + 10 = 74 ms per step > 60 ms
-    decision = policy(max_step_ms=60).decide(512, view(running=10), load(4096))
+def chunked(running: int, backlog: int = 0) -> DecodeView:
+    """D as adaptive launches it: a budget of 576, at most 512 tokens of local prefill a step."""
+    return DecodeView(running, backlog, 0, 576, COSTS, True, None, 64, 512)
+
+
+def test_the_chunk_follows_the_running_streams():
+    # 10 decodes take 10 + 10 = 20 ms: a 60 ms step leaves 40 ms, 40 tokens of prefill
+    decision = policy(max_step_ms=60).decide(512, chunked(running=10), load(4096))
+    assert decision.placement is Placement.LOCAL
+    assert decision.ttft_local_s == pytest.approx(13 * 0.060)  # ceil(512 / 40) steps of 60 ms
+    # with nothing decoding there is no stream to protect: the whole prompt in one step
+    idle = policy(max_step_ms=60).decide(512, chunked(running=0), load(4096))
+    assert idle.ttft_local_s == pytest.approx(0.010 + 0.512)
+    # behind a local backlog the prompts share the chunk: ceil(612 / 40) steps
+    behind = policy(max_step_ms=60).decide(512, chunked(running=10, backlog=100), load(40960))
+    assert behind.ttft_local_s == pytest.approx(16 * 0.060)
+
+
+def test_the_step_guard_keeps_d_remote_when_no_chunk_fits():
+    # a 30 ms step leaves 10 ms: 10 tokens, below one 16-token block
+    decision = policy(max_step_ms=30).decide(512, chunked(running=10), load(4096))
     assert decision.placement is Placement.REMOTE and decision.reason is Reason.STEP_GUARD
-    assert policy(max_step_ms=80).decide(512, view(running=10), load(4096)).placement is Placement.LOCAL
-    # with nothing decoding there is no stream to protect
-    assert policy(max_step_ms=60).decide(512, view(running=0), load(4096)).placement is Placement.LOCAL
-
-
-def test_a_local_chunk_is_capped_below_the_step_budget():
-    # budget 128 with a 64-token chunk: 10 decodes + 64 prompt tokens = 84 ms a step, 8 steps for 512
-    capped = view(running=10, budget=128)
-    capped = DecodeView(**{**capped.__dict__, "chunk": 64})
-    decision = policy().decide(512, capped, load(4096))
-    assert decision.placement is Placement.LOCAL and decision.ttft_local_s == pytest.approx(8 * 0.084)
-    assert policy(max_step_ms=80).decide(512, capped, load(4096)).reason is Reason.STEP_GUARD
-    # behind a local backlog, two prompts' chunks share a step: 10 + 118 + 10 = 138 ms
-    behind = DecodeView(**{**capped.__dict__, "local_backlog_tokens": 100})
-    assert policy(max_step_ms=130).decide(512, behind, load(40960)).reason is Reason.STEP_GUARD
+    assert policy(max_step_ms=36).decide(512, chunked(running=10), load(4096)).placement is Placement.LOCAL
+    # the budget caps the chunk too: 64 - 10 decodes leaves 54 tokens whatever the step bound
+    small = policy().decide(512, view(running=10), load(4096))
+    assert small.ttft_local_s == pytest.approx(10 * (0.010 + 0.054 + 0.010))
 
 
 def test_the_itl_guard_bounds_the_streams_mean_itl():
@@ -177,7 +184,7 @@ def test_placement_config_is_parsed_once_with_clear_errors():
     assert parse_placement({}).policy == "static"
     cfg = parse_placement({"placement": "adaptive", "placement_wait": "0.5", "itl_target_ms": 80, "max_step_ms": 120})
     assert (cfg.adaptive, cfg.wait_s, cfg.itl_target_ms, cfg.max_step_ms) == (True, 0.5, 80.0, 120.0)
-    assert parse_placement({}).max_step_ms == 100.0
+    assert parse_placement({}).max_step_ms == 50.0
     with pytest.raises(ConfigError, match="max_step_ms out of range"):
         parse_placement({"max_step_ms": -5})
     with pytest.raises(ConfigError, match="placement must be one of static, adaptive"):

@@ -160,3 +160,25 @@ def test_d_sends_to_an_idle_p_and_counts_the_decision():
     s.scheduler.update_state_after_alloc(request, FakeBlocks(range(250)), 4000)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     assert [r.transfer_id for r in meta.recvs] == ["tx-1"] and meta.placements == ["remote:remote_faster"]
+
+
+def test_d_sets_the_next_steps_prefill_limit_from_its_streams():
+    limits: list[int] = []
+    config = make_config("kv_consumer", WRITE, placement="adaptive", max_step_ms=105)
+    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
+    _teach_d(s)  # decode steps of ~5 ms
+    load = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 0, 0.001, 0.005, 512, time.time())
+    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): load}))
+    s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 1}))
+    # a 105 ms step less the ~5 ms the two streams take leaves ~100 tokens at P's 1 ms a token
+    assert 60 <= limits[-1] <= 100
+    s.scheduler.build_connector_meta(SchedulerOutput({}))  # nothing decoding: the whole cap
+    assert limits[-1] == 512
+
+
+def test_static_d_leaves_vllms_prefill_limit_alone():
+    limits: list[int] = []
+    s = Scheduler(PDScheduler(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576, chunk=512,
+                              set_chunk=limits.append))
+    s.scheduler.build_connector_meta(SchedulerOutput({"a": 1}))
+    assert limits == []

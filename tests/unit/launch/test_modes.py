@@ -118,8 +118,9 @@ def test_adaptive_is_write_with_the_placement_bounds_given_to_pdserve_up():
     assert [(c["placement"], c["itl_target_ms"], c["max_step_ms"]) for c in configs] == [("adaptive", 40, 80)] * 2
     prefill, decode = (" ".join(vllm_argv(i.process_spec(Path("/r")).argv)) for i in d.instances)
     assert "--max-num-batched-tokens 512" in prefill and "--long-prefill-token-threshold" not in prefill
-    # D: its local chunk (default 64) plus room for its decodes and for new requests
-    assert "--max-num-batched-tokens 128 --long-prefill-token-threshold 64" in decode
+    # D: its largest local chunk (default 512; the connector lowers it while D decodes) plus room
+    # for its decodes and for new requests
+    assert "--max-num-batched-tokens 576 --long-prefill-token-threshold 512" in decode
     chunk32 = plan(UpOptions(mode="adaptive", model="/m", port=18500, cores=(0, 1), decode_budget=32))
     assert "--max-num-batched-tokens 96 --long-prefill-token-threshold 32" in " ".join(
         chunk32.instances[1].process_spec(Path("/r")).argv)
