@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from pdserve.connector.local_chunk import MIN_CHUNK
 from pdserve.connector.placement import DecodeView
 from pdserve.connector.step_costs import StepCosts
 from pdserve.control.address import PeerAddress
@@ -32,6 +33,7 @@ def uncomputed_prompt_tokens(requests: dict) -> int:
 
 
 STREAM_WEIGHT = 0.05  # of each finished request in the mean output length
+CHUNK_WEIGHT = 0.2  # of each local chunk step in the measured cost of a prompt token
 MAX_SPAN_S = 120.0  # steps longer ago than this are forgotten
 
 
@@ -45,6 +47,7 @@ class DecodeLoad:
         self._clock = clock
         self._steps: deque[tuple[float, float, int]] = deque()  # (when, seconds, decodes) of D's decode steps
         self._stream_tokens = 0.0
+        self._prefill_token_s: float | None = None  # what a prompt token added to D's chunk steps (EWMA)
         self._local: dict[str, object] = {}  # request id -> request prefilled here
         self._remote: dict[str, tuple[tuple[str, int], int]] = {}  # request id -> (P, prompt tokens)
         self._loads: dict[tuple[str, int], PrefillLoad] = {}
@@ -62,8 +65,22 @@ class DecodeLoad:
         self._local.pop(request_id, None)
         self._remote.pop(request_id, None)
 
-    def on_step(self, seconds: float, decodes: int) -> None:
-        """A finished step that took `seconds` and gave `decodes` streams a token each."""
+    def streams_after(self, scheduled: dict[str, int]) -> int:
+        """How many of the requests this step computes decode in the next one: all but the local
+        prompts still prefilling (a request whose KV landed computes its last prompt tokens first)."""
+        uncomputed_prompt_tokens(self._local)
+        return sum(1 for rid in scheduled if rid not in self._local)
+
+    def on_step(self, seconds: float, decodes: int, prefill_tokens: int = 0) -> None:
+        """A finished step that took `seconds`, gave `decodes` streams a token each and computed
+        `prefill_tokens` prompt tokens. A step with a chunk of local prefill also measures what a
+        prompt token costs in such a step: what the step took beyond its decodes' share (by the step
+        cost fit), per token. The fit itself trims those rare, slow steps as outliers."""
+        base = self.costs.coefficients() if prefill_tokens >= MIN_CHUNK else None
+        if base is not None and seconds >= 0:
+            per_token = max(0.0, seconds - base.step_seconds(0, decodes)) / prefill_tokens
+            self._prefill_token_s = per_token if self._prefill_token_s is None else (
+                self._prefill_token_s + CHUNK_WEIGHT * (per_token - self._prefill_token_s))
         if decodes > 0 and seconds >= 0:
             now = self._clock()
             self._steps.append((now, seconds, decodes))
@@ -112,4 +129,4 @@ class DecodeLoad:
         outstanding = sum(tokens for p, tokens in self._remote.values() if p == key)
         return DecodeView(self.running_decodes, self.local_backlog(), outstanding, self.budget,
                           self.costs.coefficients(), self.costs.knows_prefill, self.recent_itl(),
-                          self._stream_tokens, self.chunk)
+                          self._stream_tokens, self.chunk, self._prefill_token_s)

@@ -131,6 +131,7 @@ class DecodeView:
     recent_itl_s: float | None = None  # mean ITL of D's streams over a stream's life (None: not measured)
     stream_tokens: float = 0.0  # mean output tokens of D's finished requests (0: none finished yet)
     chunk: int = 0  # the most tokens of local prefill D computes in a step, the cap of local_chunk.py (0: budget)
+    prefill_token_s: float | None = None  # what one prompt token added to D's chunk steps, measured (None: none yet)
 
 
 class PlacementPolicy(Protocol):
@@ -179,9 +180,14 @@ class AdaptivePolicy:
         return itl + added <= ITL_HEADROOM * self._config.itl_target_ms / 1000
 
     def local_costs(self, view: DecodeView, load: PrefillLoad | None) -> Coefficients | None:
-        """D's step costs; until D has prefilled anything itself, its per-token cost is P's."""
+        """D's step costs; a prompt token costs what it measured in its own chunk steps (never less
+        than on P, which computes whole prompts), and until D has prefilled anything itself, what it
+        costs on P."""
         if view.costs is None:
             return None
+        if view.prefill_token_s is not None:
+            floor = load.per_token_s if load is not None else 0.0
+            return Coefficients(view.costs.overhead_s, max(view.prefill_token_s, floor), view.costs.per_decode_s)
         if view.knows_prefill or load is None:
             return view.costs
         return Coefficients(view.costs.overhead_s, load.per_token_s, view.costs.per_decode_s)

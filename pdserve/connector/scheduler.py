@@ -111,7 +111,7 @@ class PDScheduler:
     def _start_step(self, num_scheduled_tokens: dict[str, int]) -> None:
         prefill = sum(n for n in num_scheduled_tokens.values() if n > 1)
         decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
-        self._decode_load.running_decodes = decodes
+        self._decode_load.running_decodes = self._decode_load.streams_after(num_scheduled_tokens)
         self._step = (time.monotonic(), prefill, decodes) if prefill or decodes else None
 
     def _apply_local_chunk(self) -> None:
@@ -132,7 +132,7 @@ class PDScheduler:
             consumer = self._config.role is Role.CONSUMER
             (self._decode_load.costs if consumer else self._costs).observe(took, prefill, decodes)
             if consumer:
-                self._decode_load.on_step(took, decodes)
+                self._decode_load.on_step(took, decodes, prefill)
             self._step = None
 
     def has_pending_push_work(self) -> bool:

@@ -63,23 +63,23 @@ def chunked(running: int, backlog: int = 0) -> DecodeView:
 
 
 def test_the_chunk_follows_the_running_streams():
-    # 10 decodes take 10 + 10 = 20 ms: a 60 ms step leaves 40 ms, 40 tokens of prefill
-    decision = policy(max_step_ms=60).decide(512, chunked(running=10), load(4096))
+    # 10 decodes take 10 + 10 = 20 ms: a step sized to 0.8 x 75 = 60 ms leaves 40 ms, 40 tokens
+    decision = policy(max_step_ms=75).decide(512, chunked(running=10), load(4096))
     assert decision.placement is Placement.LOCAL
     assert decision.ttft_local_s == pytest.approx(13 * 0.060)  # ceil(512 / 40) steps of 60 ms
     # with nothing decoding there is no stream to protect: the whole prompt in one step
-    idle = policy(max_step_ms=60).decide(512, chunked(running=0), load(4096))
+    idle = policy(max_step_ms=75).decide(512, chunked(running=0), load(4096))
     assert idle.ttft_local_s == pytest.approx(0.010 + 0.512)
     # behind a local backlog the prompts share the chunk: ceil(612 / 40) steps
-    behind = policy(max_step_ms=60).decide(512, chunked(running=10, backlog=100), load(40960))
+    behind = policy(max_step_ms=75).decide(512, chunked(running=10, backlog=100), load(40960))
     assert behind.ttft_local_s == pytest.approx(16 * 0.060)
 
 
 def test_the_step_guard_keeps_d_remote_when_no_chunk_fits():
-    # a 30 ms step leaves 10 ms: 10 tokens, below one 16-token block
-    decision = policy(max_step_ms=30).decide(512, chunked(running=10), load(4096))
+    # a step sized to 0.8 x 37.5 = 30 ms leaves 10 ms: 10 tokens, below one 16-token block
+    decision = policy(max_step_ms=37.5).decide(512, chunked(running=10), load(4096))
     assert decision.placement is Placement.REMOTE and decision.reason is Reason.STEP_GUARD
-    assert policy(max_step_ms=36).decide(512, chunked(running=10), load(4096)).placement is Placement.LOCAL
+    assert policy(max_step_ms=45).decide(512, chunked(running=10), load(4096)).placement is Placement.LOCAL
     # the budget caps the chunk too: 64 - 10 decodes leaves 54 tokens whatever the step bound
     small = policy().decide(512, view(running=10), load(4096))
     assert small.ttft_local_s == pytest.approx(10 * (0.010 + 0.054 + 0.010))
@@ -227,3 +227,38 @@ def test_decode_load_measures_its_streams_mean_itl_over_one_stream_life():
     assert seen.stream_tokens == 50.0 and seen.recent_itl_s == pytest.approx(0.036)
     now[0] = 10.0
     assert decode_load.recent_itl() is None
+
+
+def test_decode_load_counts_the_next_steps_streams_and_measures_a_chunks_token_cost():
+    from types import SimpleNamespace
+
+    from pdserve.connector.decode_load import DecodeLoad
+    decode_load = DecodeLoad(576, chunk=512)
+    local = SimpleNamespace(request_id="l", num_prompt_tokens=512, num_computed_tokens=64)
+    decode_load.add_local(local)
+    # a landed request computes its last prompt tokens, then decodes: a stream; the local prompt is not
+    assert decode_load.streams_after({"a": 1, "landed": 7, "l": 64}) == 2
+    local.num_computed_tokens = 512  # its prompt done, it decodes from the next step on
+    assert decode_load.streams_after({"a": 1, "l": 64}) == 2
+    # before the step costs are fitted a chunk teaches nothing
+    decode_load.on_step(0.100, 2, 64)
+    assert decode_load.view(None).prefill_token_s is None
+    for _ in range(10):  # decode steps: 10 ms + 1 ms a stream
+        for decodes in (1, 3):
+            decode_load.costs.observe(0.010 + 0.001 * decodes, 0, decodes)
+    decode_load.on_step(0.010 + 0.002 + 64 * 0.002, 2, 64)  # 64 prompt tokens added 128 ms
+    first = decode_load.view(None).prefill_token_s
+    assert first == pytest.approx(0.002, rel=0.05)  # the fit's decode share is close to 12 ms, not exact
+    decode_load.on_step(0.010 + 0.002 + 64 * 0.002 + 0.064, 2, 64)  # 1 ms a token slower: moves by 0.2
+    assert decode_load.view(None).prefill_token_s == pytest.approx(first + 0.2 * 0.001)
+    decode_load.on_step(0.5, 2, 8)  # a landed request's last few tokens are no chunk
+    assert decode_load.view(None).prefill_token_s == pytest.approx(first + 0.2 * 0.001)
+
+
+def test_a_measured_chunk_token_cost_sizes_the_chunk():
+    measured = DecodeView(10, 0, 0, 576, COSTS, True, None, 64, 512, prefill_token_s=0.002)
+    # 0.8 x 75 ms less 20 ms of decodes leaves 40 ms: 20 tokens at the measured 2 ms, not 40 at the fit's 1 ms
+    assert policy(max_step_ms=75).chunk(measured, policy().local_costs(measured, load(0))) == 20
+    # never cheaper than on P
+    cheap = DecodeView(**{**measured.__dict__, "prefill_token_s": 0.0001})
+    assert policy().local_costs(cheap, load(0)).per_prefill_token_s == 0.001

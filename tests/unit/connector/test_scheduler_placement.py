@@ -170,7 +170,7 @@ def test_d_sets_the_next_steps_prefill_limit_from_its_streams():
     load = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 0, 0.001, 0.005, 512, time.time())
     s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): load}))
     s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 1}))
-    # a 105 ms step less the ~5 ms the two streams take leaves ~100 tokens at P's 1 ms a token
+    # a step sized to 0.8 x 105 = 84 ms less the ~5 ms the two streams take leaves ~79 tokens at P's 1 ms
     assert 60 <= limits[-1] <= 100
     s.scheduler.build_connector_meta(SchedulerOutput({}))  # nothing decoding: the whole cap
     assert limits[-1] == 512
