@@ -101,9 +101,13 @@ class DecodeLoad:
         stream finished yet, or no token in that span)."""
         now = self._clock()
         span = self._stream_tokens * self._itl_target_s
-        recent = [(seconds, decodes) for when, seconds, decodes in self._steps if now - when < span]
-        tokens = sum(decodes for _, decodes in recent)
-        return sum(seconds * decodes for seconds, decodes in recent) / tokens if tokens else None
+        tokens, weighted = 0, 0.0
+        for when, seconds, decodes in reversed(self._steps):  # newest first: stop at the span's start
+            if now - when >= span:
+                break
+            tokens += decodes
+            weighted += seconds * decodes
+        return weighted / tokens if tokens else None
 
     def on_loads(self, loads: dict[tuple[str, int], PrefillLoad]) -> None:
         self._loads.update(loads)

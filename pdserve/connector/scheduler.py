@@ -17,7 +17,7 @@ from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.decode_load import DecodeLoad, uncomputed_prompt_tokens
 from pdserve.connector.guard import guarded
 from pdserve.connector.leg_truncation import truncate_to_one_token
-from pdserve.connector.local_chunk import threshold
+from pdserve.connector.local_chunk import MIN_CHUNK, chunk_tokens, threshold
 from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
 from pdserve.connector.placement import AdaptivePolicy, Decision, Placement, make_policy
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
@@ -48,6 +48,7 @@ class PDScheduler:
         self._chunk_limit: int | None = None  # the limit it last set
         self._block_size = block_size
         self._budget = budget  # this instance's --max-num-batched-tokens
+        self._step_prefill = budget  # P: prompt tokens its next step computes at most (published to D)
         self._kv_cache_manager = None
         self._step: tuple[float, int, int] | None = None  # this step's start, prefill tokens, decodes
         # P, adaptive placement
@@ -55,6 +56,7 @@ class PDScheduler:
         self._gate = PrefillGate(config.placement.wait_s) if adaptive and config.role is Role.PRODUCER else None
         self._costs = StepCosts()
         self._accepted: dict[str, Any] = {}  # legs D wants prefilled here, until their prompt is computed
+        self._whole: dict[str, Any] = {}  # serve_decode: requests served whole here, until their prompt is computed
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
         # D, placement
         self._policy = make_policy(config.placement)
@@ -87,7 +89,7 @@ class PDScheduler:
             self._cancel_preempted_sends(getattr(scheduler_output, "preempted_req_ids", None) or ())
             self._emit_due_sends(scheduler_output.num_scheduled_tokens)
         self._start_step(scheduler_output.num_scheduled_tokens)
-        self._apply_local_chunk()
+        self._apply_chunk(scheduler_output.num_scheduled_tokens)
         if self._gate is not None:
             self._meta.load = self._prefill_load()
         meta, self._meta = self._meta, StepPlan()
@@ -114,15 +116,29 @@ class PDScheduler:
         self._decode_load.running_decodes = self._decode_load.streams_after(num_scheduled_tokens)
         self._step = (time.monotonic(), prefill, decodes) if prefill or decodes else None
 
-    def _apply_local_chunk(self) -> None:
-        """D, adaptive: the next step's limit on one prompt's prefill tokens, from the decodes of
-        this one (local_chunk.py): local prompts never stretch a step past max_step_ms."""
-        if self._set_chunk is None or self._config.role is not Role.CONSUMER or not isinstance(self._policy, AdaptivePolicy):
+    def _apply_chunk(self, scheduled: dict[str, int]) -> None:
+        """Adaptive: the next step's limit on one prompt's prefill tokens, from the streams of this
+        one (local_chunk.py), on an instance that decodes: D (its local prompts never stretch a step
+        past max_step_ms) and, with serve_decode, P (the prompts it prefills never stretch a step of
+        the requests it serves whole past max_step_ms)."""
+        if self._set_chunk is None or not isinstance(self._policy, AdaptivePolicy):
             return
-        load = self._decode_load
-        view = load.view(None)
-        chunk = self._policy.chunk(view, self._policy.local_costs(view, load.some_load()))
-        self._chunk_limit = threshold(chunk, load.local_prompts())
+        if self._config.role is Role.CONSUMER:
+            load = self._decode_load
+            view = load.view(None)
+            chunk = self._policy.chunk(view, self._policy.local_costs(view, load.some_load()))
+            self._chunk_limit = threshold(chunk, load.local_prompts())
+        elif self._config.placement.serve_decode:
+            uncomputed_prompt_tokens(self._accepted)
+            uncomputed_prompt_tokens(self._whole)
+            prompts = self._accepted.keys() | self._whole.keys()
+            streams = sum(1 for rid in scheduled if rid not in prompts)
+            chunk = chunk_tokens(self._costs.coefficients(), streams, self._config.placement.max_step_ms / 1000,
+                                 self._budget)
+            self._chunk_limit = threshold(chunk, len(prompts)) if streams else self._budget
+            self._step_prefill = max(MIN_CHUNK, chunk) if streams else self._budget
+        else:
+            return
         self._set_chunk(self._chunk_limit)
 
     def _end_step(self) -> None:
@@ -192,7 +208,9 @@ class PDScheduler:
                 params.require_peer()
         except ProtocolError:
             return 0, False  # _track_send names the problem
-        if params is None:
+        if params is None:  # not a prefill leg: with serve_decode, a request served whole here
+            if self._config.placement.serve_decode:
+                self._whole[rid] = request
             return 0, False
         verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK and addressed_to_self(params, self._config):
@@ -232,7 +250,7 @@ class PDScheduler:
             return None
         queued = uncomputed_prompt_tokens(self._accepted)
         return PrefillLoad(self._config.host_ip, self._config.handshake_port, queued, costs.per_prefill_token_s,
-                           costs.overhead_s, self._budget, time.time())
+                           costs.overhead_s, self._step_prefill, time.time())
 
     def _track_send(self, request) -> None:
         rid = request.request_id
@@ -280,6 +298,7 @@ class PDScheduler:
     def _finish_write_send(self, request) -> tuple[bool, None]:
         rid = request.request_id
         self._accepted.pop(rid, None)
+        self._whole.pop(rid, None)
         self._legs.pop(rid, None)
         if self._gate is not None:
             self._gate.forget(rid)

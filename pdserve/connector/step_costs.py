@@ -4,8 +4,9 @@ A step's wall time is modelled as ``overhead + per_prefill_token * prefill_token
 per_decode * decodes`` (on CPUs it is close to linear in each; the research notes measured
 5-12 ms of fixed cost, ~0.5-1 ms per prefill token and ~1 ms per decode sequence). The three
 coefficients are a least-squares fit over the last `window` steps that drops outliers (a step
-that compiled a new kernel shape, or lost its core for a while, can take seconds) and refits, so
-the model follows the machine it runs on. Free of vLLM.
+that compiled a new kernel shape, or lost its core for a while, can take seconds), refitted
+after every step with prefill tokens and every REFIT_EVERY decode-only steps, so the model follows
+the machine it runs on. Free of vLLM.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ MIN_SAMPLES = 8
 MAX_STEP_S = 10.0
 TRIM_ROUNDS = 3  # each drops the slowest TRIM_FRACTION of the steps (relative to the fit) and refits
 TRIM_FRACTION = 0.1
+# A refit (three trimmed least-squares solves) costs ~0.3 ms; D asks for the costs before every step
+# of ~10 ms. Decode-only steps are refitted once this many arrived (a handful barely moves a 128-step
+# fit); a step with prefill tokens (rare on D, the only kind that teaches the per-token cost) at once.
+REFIT_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -36,14 +41,16 @@ class StepCosts:
     def __init__(self, window: int = 128):
         self._samples: deque[tuple[float, int, int]] = deque(maxlen=window)
         self._fit: Coefficients | None = None
-        self._stale = True
+        self._unfitted = 0  # steps observed since the last fit
+        self._unfitted_prefill = False  # one of them computed prefill tokens
 
     def observe(self, seconds: float, prefill_tokens: int, decodes: int) -> None:
         """One finished step: its wall time and what it computed. Empty steps teach nothing."""
         if not 0 < seconds < MAX_STEP_S or (prefill_tokens <= 0 and decodes <= 0):
             return
         self._samples.append((seconds, prefill_tokens, decodes))
-        self._stale = True
+        self._unfitted += 1
+        self._unfitted_prefill |= prefill_tokens > 0
 
     @property
     def knows_prefill(self) -> bool:
@@ -56,8 +63,8 @@ class StepCosts:
     def coefficients(self) -> Coefficients | None:
         if len(self._samples) < MIN_SAMPLES:
             return None
-        if self._stale:
-            self._fit, self._stale = self._solve(), False
+        if self._fit is None or self._unfitted_prefill or self._unfitted >= REFIT_EVERY:
+            self._fit, self._unfitted, self._unfitted_prefill = self._solve(), 0, False
         return self._fit
 
     def _solve(self) -> Coefficients:

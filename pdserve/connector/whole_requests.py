@@ -10,7 +10,10 @@ legs. Such a request's two legs both land on P, and each names P as the other's 
 * its prefill leg names P as its decode instance: pushing KV to itself is never right, so P drops
   the leg at once, cut to one token as a leg D prefills itself (leg_truncation.py).
 
-Which leg arrives first does not matter: each is handled on its own. Free of vLLM.
+Which leg arrives first does not matter: each is handled on its own. While requests served whole
+decode on P, P limits each step's prompt tokens (its own and D's legs) with the chunk D uses for its
+local prompts (local_chunk.py, applied by PDScheduler), so its own streams see no gap longer than
+max_step_ms. Free of vLLM.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pdserve.connector.placement import (AdaptivePolicy, DecodeView, Placement, 
                                          StaticPolicy, drain_seconds, parse_placement)
 from pdserve.connector.placement_inbox import PlacementInbox
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
-from pdserve.connector.step_costs import Coefficients, StepCosts
+from pdserve.connector.step_costs import REFIT_EVERY, Coefficients, StepCosts
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import PrefillLoad
 from pdserve.errors import ConfigError
@@ -145,6 +145,26 @@ def test_step_costs_fit_a_linear_model():
     costs.observe(-1, 5, 5)  # nonsense and empty steps teach nothing
     costs.observe(0.1, 0, 0)
     assert costs.coefficients() == fit
+
+
+def test_step_costs_refit_after_a_prefill_step_or_every_few_decode_steps():
+    costs = StepCosts()
+    for _ in range(16):
+        costs.observe(0.030, 0, 4)
+    fit = costs.coefficients()
+    for _ in range(REFIT_EVERY - 1):  # decode-only steps: the fit waits for a few of them
+        costs.observe(0.010, 0, 4)
+    assert costs.coefficients() is fit
+    costs.observe(0.010, 0, 4)
+    faster = costs.coefficients()
+    assert faster.step_seconds(0, 4) < fit.step_seconds(0, 4)
+    costs.observe(0.010 + 64 * 0.001, 64, 4)  # a step with prefill tokens is refitted at once
+    assert costs.coefficients() is not faster
+    for tokens in (16, 32, 128, 256):
+        before = costs.coefficients()
+        costs.observe(0.010 + tokens * 0.001, tokens, 4)
+        assert costs.coefficients() is not before
+    assert costs.coefficients().per_prefill_token_s == pytest.approx(0.001, rel=0.2)
 
 
 def test_prefill_gate_waits_then_follows_d_or_times_out():

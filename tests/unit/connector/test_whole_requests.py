@@ -87,3 +87,29 @@ def test_serve_decode_is_checked_at_the_edges():
     budget.check("adaptive")
     with pytest.raises(ConfigError, match="only adaptive's prefill instance"):
         budget.check("write")
+
+
+def test_p_serving_streams_keeps_its_prefill_steps_within_max_step_ms():
+    limits: list[int] = []
+    config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, max_step_ms=50)
+    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
+    for tokens, decodes in [(0, 2), (64, 1), (256, 0), (0, 4), (128, 2), (512, 0), (32, 3), (16, 1)] * 3:
+        s.scheduler._costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)  # P's measured steps
+    whole = VllmLikeRequest(SELF_ID + "-d", consumer_params(), 200)
+    assert s.scheduler.get_num_new_matched_tokens(whole, 0) == (0, False)  # served whole, prompt not computed
+    s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1, whole.request_id: 64}))
+    # one stream decoding: 0.8 x 50 ms less its ~7 ms step leaves ~33 tokens at 1 ms each
+    assert 28 <= limits[-1] <= 36
+    s.scheduler.build_connector_meta(SchedulerOutput({whole.request_id: 64}))  # no stream: P's whole budget
+    assert limits[-1] == 512
+    whole.num_computed_tokens = 200  # its prompt is computed: it is a stream now
+    s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1, whole.request_id: 1}))
+    assert limits[-1] < 33  # two streams leave less room
+
+
+def test_p_without_serve_decode_leaves_vllms_prefill_limit_alone():
+    limits: list[int] = []
+    config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive")
+    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
+    s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 64}))
+    assert limits == []
