@@ -39,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rate-fractions", help="comma list of rates as fractions of the calibrated capacity")
     p.add_argument("--workload", choices=sorted(WORKLOADS), help="named workload (lengths and kind)")
     p.add_argument("--seeds", help="comma list of arrival seeds (same for every configuration)")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                   help="configurations take turns seed by seed, one deployment per configuration and seed, "
+                        "so machine drift spreads over all of them (default: the preset's; on in `default`)")
     p.add_argument("--num-prompts", type=int, help="requests per point")
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
@@ -81,7 +84,7 @@ def build_plan(args: argparse.Namespace) -> BenchPlan:
         over["seeds"] = tuple(_numbers(args.seeds, int))
     if args.slo:
         over["slos"] = tuple(SLO.parse(s) for s in args.slo)
-    for name in ("model", "headline_rate", "target", "warmup_fraction", "cooldown_fraction", "tune_slo"):
+    for name in ("model", "headline_rate", "target", "warmup_fraction", "cooldown_fraction", "tune_slo", "interleave"):
         if getattr(args, name) is not None:
             over[name] = getattr(args, name)
     candidates = dict(plan.candidates)

@@ -104,6 +104,7 @@ class BenchPlan:
     warmup_fraction: float = 0.2  # of the arrival span, not scored (the system fills up)
     cooldown_fraction: float = 0.1  # of the arrival span, not scored (arrivals stop, the system drains)
     tune_slo: str = ""  # the SLO whose attainment tuning maximises (default: the first)
+    interleave: bool = False  # configurations take turns seed by seed (rounds()) instead of one after another
     legacy: bool = False  # read from a plan of the first bench version (vLLM's random dataset, one stream per rate)
 
     def __post_init__(self) -> None:
@@ -160,6 +161,20 @@ class BenchPlan:
     def points(self) -> list[Point]:
         """Every point, grouped by configuration (one deployment each), rates ascending."""
         return [Point(c, r, s) for c in self.configs for r in sorted(self.rates) for s in self.seeds]
+
+    def rounds(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The deployments of a sweep, in order: (configuration, the seeds whose points it runs).
+
+        One after another, each configuration runs all its points in one deployment. Interleaved,
+        each seed is a round in which every configuration runs that seed's points in a deployment of
+        its own, the order rotating by one from round to round: a machine that drifts over the run
+        (on these shared machines the same configuration's ITL moved ~10 ms between deployments
+        minutes apart) then shifts every configuration alike instead of whichever ran last, at the
+        cost of one deployment per configuration and seed."""
+        if not self.interleave:
+            return [(c, self.seeds) for c in self.configs]
+        n = len(self.configs)
+        return [(self.configs[(i + k) % n], (seed,)) for i, seed in enumerate(self.seeds) for k in range(n)]
 
     @property
     def headline(self) -> float:

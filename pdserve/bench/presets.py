@@ -15,21 +15,23 @@ audit of the first committed run):
 * Fair comparison: every configuration gets the same request streams (3 seeds; arrivals.py) and
   the same tuning procedure over its token budgets, vLLM's default included (tune.py): collocated
   and round-robin over their chunk size (``chunked`` is round-robin with a fixed one and is not in
-  the default list any more), write/read over the prefill budget, adaptive over decode's chunk with
-  P at 512 (one prompt per step). Decode's chunk must keep one chunk step under the step bound
-  (100 ms) or the guard never lets decode prefill while it decodes: 64 tokens fits a ~1 ms/token
-  CPU (AMD EPYC, bf16) with ~20 ms of fixed step cost. ``read`` is not in the default list
-  (``--configs`` adds it, tuned the same way): the claim measured is adaptive against plain
-  serving and static write.
+  the default list any more), write/read over the prefill budget, adaptive (P at 512, one prompt
+  per step) over whether the prefill instance also serves whole requests (``+serve``, for
+  decode-heavy traffic); decode's local chunk is not tuned, it follows decode's streams
+  (local_chunk.py). ``read`` is not in the default list (``--configs`` adds it, tuned the same
+  way): the claim measured is adaptive against plain serving and static write.
+* Interleaved: each seed is a round in which every configuration runs in a deployment of its own,
+  the order rotating (BenchPlan.rounds): on these shared machines the same configuration moved by
+  ~10 ms of ITL between deployments minutes apart, and run one after another that drift lands on
+  whichever configuration ran last.
 * 30 requests per point, the first 20 % and last 10 % of the arrival span not scored (~21 scored,
-  ~63 per rate over the seeds). About 60-70 min on 2 cores (runner.estimate_s; calibration, 8
-  tuning deployments, 4 measured ones, 60 points; the low rates take longest).
+  ~63 per rate over the seeds). About 75-90 min on 2 cores (runner.estimate_s; calibration, 8
+  tuning deployments, 12 measured ones, 60 points; the low rates take longest).
 * SLOs: the blog's TTFT<1 s & mean ITL<50 ms; a tight mean-ITL one; stall ones bounding the largest
   inter-chunk gap (100 ms with TTFT<500 ms or <1 s; 50 ms with TTFT<1 s), where decode smoothness
   is the objective.
-* Adaptive's decode instance keeps its streams' mean ITL under 50 ms and no chunk step over 100 ms
-  (placement.py); its chunk of 32 or 64 tokens is what tuning picks, and whether the prefill
-  instance also serves whole requests (``+serve``, for decode-heavy traffic).
+* Adaptive's decode instance keeps its streams' mean ITL under 50 ms and no step of its streams
+  over 50 ms (placement.py, local_chunk.py).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ PRESETS: dict[str, BenchPlan] = {
         candidates=(("collocated", ("default", "256")), ("round-robin", ("default", "256")),
                     ("write", ("default", "512")), ("read", ("default", "512")),
                     ("adaptive", ("512", "512+serve"))),  # D's chunk follows its streams (local_chunk.py)
+        interleave=True,  # seed by seed: drift between deployments shifts every configuration alike
     ),
     # The product in a few minutes on the tiny model: PD (write, adaptive) against plain serving.
     "quick": BenchPlan(
@@ -88,7 +91,8 @@ RATIONALE = {
         "prefill/decode interference shows; ISL 512 / OSL 64; rates placed as fractions of the capacity a "
         "calibration measured on this machine; 3 arrival seeds, the same request streams for every configuration; "
         "every configuration tuned over its token budgets (vLLM's default included) by the same procedure on the "
-        "same tuning stream; 30 requests per point, steady window scored; about 60-70 min on 2 cores."),
+        "same tuning stream; configurations interleaved seed by seed; 30 requests per point, steady window scored; "
+        "about 75-90 min on 2 cores."),
     "quick": ("Quick preset: the product in a few minutes on the tiny model (PD write and adaptive against plain "
               "serving); its numbers mean little."),
 }

@@ -105,6 +105,13 @@ def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: Tun
                      f"(the warm-up from an empty system and the drain after the last arrivals are sent but not "
                      f"scored): {', '.join(map(str, sizes))} of {plan.workload.num_requests} requests per seed, the "
                      f"same requests at every rate and in every configuration.")
+    if plan.interleave:
+        items.append("Order: interleaved, seed by seed: each seed is a round in which every configuration runs "
+                     "that seed's points in a deployment of its own, the order rotating from round to round, so "
+                     "drift of the machine over the run shifts every configuration alike.")
+    elif len(plan.configs) > 1:
+        items.append("Order: one configuration after another (one deployment each): drift of the machine over "
+                     "the run is not spread over the configurations (`--interleave` spreads it).")
     tuned = [d for c in plan.configs if tune_log and (d := tune_log.describe(c))]
     if tuned:
         items.append(f"Tuning (same procedure for every tuned configuration, tuning stream at "

@@ -6,7 +6,8 @@
    when it is not tuned) is done before it goes down.
 2. Per configuration: each tuning candidate is deployed and sent the tuning stream (tune.py);
    the chosen budget goes to tune.json. Then the configuration is deployed with it, warmed up,
-   and its missing points are run in rate order.
+   and its missing points are run in rate order: all of them in one deployment, or, with an
+   interleaved plan, one seed's in each round of deployments (BenchPlan.rounds).
 
 A point's raw result is written only when complete, so an interrupted run resumes at the first
 missing point. The report and plots are rewritten after every configuration, marked incomplete
@@ -57,7 +58,7 @@ def estimate_s(plan: BenchPlan, capacity: float = ASSUMED_CAPACITY) -> float:
     """Expected wall time of the whole plan from scratch (calibration, tuning, every point)."""
     resolved = plan.resolved(capacity)
     point = lambda rate: resolved.workload.num_prompts / rate + POINT_OVERHEAD_S  # noqa: E731
-    total = sum(point(p.rate) for p in resolved.points()) + STARTUP_ESTIMATE_S * len(plan.configs)
+    total = sum(point(p.rate) for p in resolved.points()) + STARTUP_ESTIMATE_S * len(plan.rounds())
     total += sum(len(b) * (STARTUP_ESTIMATE_S + point(resolved.headline)) for c in plan.configs
                  if len(b := resolved.budgets(c)) > 1)
     if plan.calibrated:
@@ -98,22 +99,29 @@ class Runner:
         progress = progress or Progress(estimate_s(self.plan, known.capacity if known else ASSUMED_CAPACITY),
                                         len(todo))
         plan = self._resolve(progress)
-        failures = []
-        for config in plan.configs:
+        failures: dict[str, str] = {}
+        budgets: dict[str, Budget] = {}
+        for config, seeds in plan.rounds():
+            if config in failures:
+                continue
             try:  # a failing configuration does not stop the others; a re-run retries it
-                budget = self._tuned(plan, config, progress)
-                points = [p for p in plan.points() if p.config == config and not self.results.is_done(p)]
+                if config not in budgets:
+                    budgets[config] = self._tuned(plan, config, progress)
+                points = [p for p in plan.points()
+                          if p.config == config and p.seed in seeds and not self.results.is_done(p)]
                 if points:
-                    with self._deployment(plan, config, budget, self.results.log_dir(config), progress) as endpoint:
+                    with self._deployment(plan, config, budgets[config], self.results.log_dir(config),
+                                          progress) as endpoint:
                         self._points(plan, endpoint, points, progress)
             except PDServeError as exc:
-                failures.append(f"{config}: {exc}")
+                failures[config] = f"{config}: {exc}"
                 progress.event(f"{config} FAILED: {exc}")
             self.write_report()
         report = self.write_report()
         progress.close(f"report: {report}")
         if failures:
-            raise PDServeError(f"{len(failures)} configuration(s) failed (re-run to retry): " + "; ".join(failures))
+            raise PDServeError(f"{len(failures)} configuration(s) failed (re-run to retry): " +
+                               "; ".join(failures.values()))
         return report
 
     def write_report(self) -> Path:
@@ -141,8 +149,10 @@ class Runner:
         if "collocated" not in plan.configs:
             return
         budgets = plan.budgets("collocated")
-        if not budgets:
-            points = [p for p in plan.points() if p.config == "collocated" and not self.results.is_done(p)]
+        if not budgets:  # its first round's points (all of them unless interleaved)
+            seeds = next(seeds for config, seeds in plan.rounds() if config == "collocated")
+            points = [p for p in plan.points()
+                      if p.config == "collocated" and p.seed in seeds and not self.results.is_done(p)]
             self._points(plan, endpoint, points, progress)
         elif Budget() in budgets and not self._trial_path("collocated", Budget()).exists():
             self._trial_point(plan, endpoint, "collocated", Budget(), progress)

@@ -11,6 +11,8 @@ from tests.unit.bench import synthetic
 def test_plan_json_round_trip_and_presets():
     for plan in PRESETS.values():
         assert BenchPlan.from_json(plan.to_json()) == plan
+    older = {k: v for k, v in PRESETS["default"].to_json().items() if k != "interleave"}  # a run before interleaving
+    assert BenchPlan.from_json(older).interleave is False and PRESETS["default"].interleave
     with pytest.raises(ConfigError):
         preset("nope")
 

@@ -1,4 +1,5 @@
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -6,7 +7,7 @@ import pytest
 from pdserve.bench.deployment import Endpoint, check_available
 from pdserve.bench.progress import Progress
 from pdserve.bench.results import ResultsDir
-from pdserve.bench.runner import Runner
+from pdserve.bench.runner import Runner, estimate_s
 from pdserve.errors import ConfigError
 
 from tests.unit.bench import synthetic
@@ -70,6 +71,27 @@ def test_runs_every_point_once_per_deployment_and_reports(tmp_path):
     assert "Incomplete" not in report.read_text()
     assert (tmp_path / "run" / "plots" / "attainment_blog.png").exists()
     assert "12/12 points" in (tmp_path / "progress.txt").read_text()
+
+
+def test_an_interleaved_plan_runs_seed_by_seed_rotating_the_configurations(tmp_path, no_plots):
+    plan = synthetic.plan(configs=("collocated", "round-robin", "write"), seeds=(1, 2, 3), interleave=True,
+                          candidates=(("write", ("default", "512")),))
+    deployer, bench = FakeDeployer(), FakeBench()
+    runner, progress = make(tmp_path, plan, deployer, bench)
+    report = runner.run(progress).read_text()
+    measured = [(c.result_path.parent.name, c.seed) for c in bench.commands if "tune" not in c.result_path.parts]
+    rounds = [measured[i:i + 3] for i in range(0, len(measured), 3)]  # three rates per deployment
+    assert [r[0] for r in rounds] == [("collocated", 1), ("round-robin", 1), ("write", 1),
+                                      ("round-robin", 2), ("write", 2), ("collocated", 2),
+                                      ("write", 3), ("collocated", 3), ("round-robin", 3)]
+    assert all(len(set(r)) == 1 for r in rounds)  # one seed of one configuration per deployment
+    ups = [(e[1], str(e[2])) for e in deployer.log if e[0] == "up"]
+    # write is tuned once, before its first round; every later deployment uses the chosen budget
+    chosen = json.loads((tmp_path / "run" / "tune.json").read_text())["configs"]["write"]["chosen"]
+    assert ups[2:4] == [("write", "default"), ("write", "512")]
+    assert [u for u in ups[4:] if u[0] == "write"] == [("write", chosen)] * 3
+    assert len(ups) == 9 + 2 and "Order: interleaved, seed by seed" in report
+    assert estimate_s(plan) > estimate_s(dataclasses.replace(plan, interleave=False))
 
 
 def test_interrupt_stops_the_deployment_and_resume_runs_only_missing_points(tmp_path, no_plots):
