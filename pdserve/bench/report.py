@@ -150,6 +150,9 @@ def _headline(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
     return lines + [""]
 
 
+STATIC_PD = "write"  # the static disaggregation adaptive placement is also compared with
+
+
 def best_plain(plan: BenchPlan, curves: dict, slo_name: str) -> str | None:
     """The plain configuration with the highest goodput under this SLO (first listed on ties)."""
     plain = [c for c in plan.configs if c in PLAIN_CONFIGS and (c, slo_name) in curves]
@@ -158,10 +161,13 @@ def best_plain(plan: BenchPlan, curves: dict, slo_name: str) -> str | None:
 
 def _goodput(plan: BenchPlan, curves: dict, slo_name: str, comparison: Comparison | None) -> list[str]:
     best = best_plain(plan, curves, slo_name)
-    bases = [c for c in plan.configs if c in PLAIN_CONFIGS and (c, slo_name) in curves]
+    plain = [c for c in plan.configs if c in PLAIN_CONFIGS and (c, slo_name) in curves]
+    # static write too, where adaptive placement is compared: it should lose to neither
+    bases = plain + ([STATIC_PD] if STATIC_PD in plan.configs and "adaptive" in plan.configs
+                     and (STATIC_PD, slo_name) in curves else [])
     head = ["configuration", "goodput (req/s) [95 % CI]", "step", "per seed",
-            *([f"÷ best plain ({best})"] if best and len(bases) > 1 else []), *(f"÷ {b}" for b in bases)]
-    columns = ([best] if best and len(bases) > 1 else []) + bases
+            *([f"÷ best plain ({best})"] if best and len(plain) > 1 else []), *(f"÷ {b}" for b in bases)]
+    columns = ([best] if best and len(plain) > 1 else []) + bases
     lines = [f"### Goodput (≥ {plan.target:.0%} attainment)", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for config in plan.configs:

@@ -145,3 +145,23 @@ def test_send_lag_is_measured_against_the_replayed_schedule(tmp_path):
     lags = send_lags_ms(plan, point, runs[point])
     assert lags[4] == pytest.approx(30.0, abs=1e-6) and max(abs(x) for i, x in enumerate(lags) if i != 4) < 1e-6
     assert latency(plan, runs, "collocated", 2.0).send_lag_p99_ms == pytest.approx(27.3, abs=0.1)
+
+
+def test_adaptive_is_compared_with_static_write_too(measured, tmp_path):
+    plan, _, runs = measured
+    import dataclasses
+
+    from pdserve.bench.plan import Point
+
+    pd = dataclasses.replace(plan, configs=("collocated", "write", "adaptive"))
+    as_pd = {"round-robin": "write", "collocated": "adaptive"}  # adaptive measured like collocated, write like rr
+    renamed = {Point(as_pd[p.config], p.rate, p.seed): r for p, r in runs.items()}
+    renamed.update({p: r for p, r in runs.items() if p.config == "collocated"})
+    text = write_report(pd, renamed, tmp_path / "pd.md")
+    header = next(line for line in text.splitlines() if line.startswith("| configuration | goodput"))
+    assert header.endswith("| ÷ collocated | ÷ write |")
+    row = next(line for line in text.splitlines() if line.startswith("| adaptive | 2.00 ["))
+    assert [c.strip() for c in row.split("|")[1:-1]][-1].startswith("1.33 [")  # 2.0 / 1.5, paired CI
+    without = write_report(dataclasses.replace(pd, configs=("collocated", "write")),
+                           {p: r for p, r in renamed.items() if p.config != "adaptive"}, tmp_path / "w.md")
+    assert "÷ write" not in without  # static write is a baseline only beside adaptive
