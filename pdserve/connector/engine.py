@@ -33,7 +33,7 @@ from pdserve.connector.placement_inbox import PlacementInbox
 from pdserve.connector.peers import HandshakeResult, Peer, PeerState, PeerTable
 from pdserve.connector.transfer import Side, Transfer, TransferState
 from pdserve.control.address import PeerAddress
-from pdserve.control.messages import PrefillLoad, ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
+from pdserve.control.messages import PrefillLoad, PrefillStarted, ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
 from pdserve.errors import PDServeError
 from pdserve.transport.base import Direction, Transport, TransferStatus
 
@@ -159,6 +159,11 @@ class TransferEngine:
             self._peers.lookup(spec.peer)  # handshake D now: its blocks and our load reports need it
         self._placement.expect(spec, known)
 
+    def announce_start(self, spec: AwaitSpec) -> None:
+        """P, adaptive placement: we started the prefill leg of `spec` before D's word
+        (eager_prefill.py); D takes that as its decision if it has not decided yet."""
+        self._send(spec.peer, PrefillStarted(spec.transfer_id))
+
     def publish_load(self, load: PrefillLoad) -> None:
         """P: tell every decode instance we know how busy we are (rate-limited)."""
         if not self._placement.publish_due():
@@ -260,6 +265,10 @@ class TransferEngine:
         if isinstance(message, PrefillLoad):
             if self._config.role is Role.CONSUMER:
                 self._placement.on_load(message)
+            return
+        if isinstance(message, PrefillStarted):
+            if self._config.role is Role.CONSUMER:
+                self._placement.on_started(message.transfer_id)
             return
         tid = message.transfer_id
         t = self._transfers.get(tid)

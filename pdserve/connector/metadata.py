@@ -76,6 +76,7 @@ class StepPlan:
     recvs: list[RecvSpec] = field(default_factory=list)
     cancels: list[CancelSpec] = field(default_factory=list)
     awaits: list[AwaitSpec] = field(default_factory=list)
+    eager: list[AwaitSpec] = field(default_factory=list)  # P, adaptive: legs started before D's word; tell D
     load: PrefillLoad | None = None  # P, adaptive: what to publish to decode instances
     placements: list[str] = field(default_factory=list)  # D: decisions made this step ("local:local_faster")
     idle: bool = False  # no tokens scheduled this step: the worker may wait briefly for progress
@@ -85,15 +86,18 @@ class StepPlan:
 class WorkerNews:
     """What the worker half tells the scheduler half each step (vLLM's kv_connector_worker_meta):
     P: placement decisions D sent (request id -> True: prefill here, False: D prefills it);
-    D: the latest load each prefill instance published, by (host, handshake port)."""
+    D: the latest load each prefill instance published, by (host, handshake port), and the
+    transfers P said it started before D's word (eager_prefill.py)."""
 
     decided: dict[str, bool] = field(default_factory=dict)
     loads: dict[tuple[str, int], PrefillLoad] = field(default_factory=dict)
+    started: set[str] = field(default_factory=set)
 
     def merge(self, other: "WorkerNews") -> "WorkerNews":
         self.decided.update(other.decided)
         self.loads.update(other.loads)
+        self.started |= other.started
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.decided or self.loads)
+        return bool(self.decided or self.loads or self.started)

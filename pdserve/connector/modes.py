@@ -181,4 +181,6 @@ def adaptive(options: UpOptions) -> Deployment:
             extra[key] = getattr(options, key)
     if options.serve_decode:
         extra["serve_decode"] = True
+    if options.eager_prefill:
+        extra["eager_prefill"] = True
     return pd_deployment(tuned, "write", extra)

@@ -50,6 +50,8 @@ class Reason(enum.Enum):
     ITL_GUARD = "itl_guard"  # local would be faster, but D's streams would exceed the mean ITL target
     STEP_GUARD = "step_guard"  # D's streams leave no chunk of prefill room within max_step_ms
     LONG_PROMPT = "long_prompt"  # more uncached tokens than max_local_tokens: always disaggregated
+    PREFILL_STARTED = "prefill_started"  # an idle P started it before D decided (eager_prefill.py)
+    PREFILL_IDLE = "prefill_idle"  # P has nothing queued: it starts the leg before D's word (eager_prefill.py)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class PlacementConfig:
     transfer_overhead_ms: float = 20.0  # D: router hop + transfer + D's first step, added to remote TTFT
     max_local_tokens: float = float("inf")  # D: never prefill more uncached tokens than this itself
     serve_decode: bool = False  # P: also a decode instance for the router, serving whole requests (whole_requests.py)
+    eager: bool = False  # P: with no prompt to compute, start a leg before D's word (eager_prefill.py)
 
     @property
     def adaptive(self) -> bool:
@@ -80,7 +83,7 @@ class PlacementConfig:
 
 
 PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "max_step_ms", "transfer_overhead_ms",
-                  "max_local_tokens", "serve_decode")
+                  "max_local_tokens", "serve_decode", "eager_prefill")
 ITL_HEADROOM = 0.9  # of the mean-ITL allowance a local prefill may use: streams differ from the mean
 
 
@@ -103,13 +106,18 @@ def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
         if not 0 <= number < 1e9 or (key != "transfer_overhead_ms" and number == 0):
             raise ConfigError(f"kv_connector_extra_config.{key} out of range: {number}")
         numbers[field] = number
-    serve_decode = extra.get("serve_decode", False)
-    if serve_decode not in (True, False):
-        raise ConfigError(f"kv_connector_extra_config.serve_decode must be true or false, got {serve_decode!r}")
+    flags = {}
+    for key in ("serve_decode", "eager_prefill"):
+        flags[key] = extra.get(key, False)
+        if flags[key] not in (True, False):
+            raise ConfigError(f"kv_connector_extra_config.{key} must be true or false, got {flags[key]!r}")
+    serve_decode = flags["serve_decode"]
     if serve_decode and policy != "adaptive":
         raise ConfigError("kv_connector_extra_config.serve_decode needs placement adaptive: the prefill leg of a "
                           "request the prefill instance serves whole must wait to be dropped")
-    return PlacementConfig(policy, **numbers, serve_decode=bool(serve_decode))
+    if flags["eager_prefill"] and policy != "adaptive":
+        raise ConfigError("kv_connector_extra_config.eager_prefill needs placement adaptive")
+    return PlacementConfig(policy, **numbers, serve_decode=bool(serve_decode), eager=bool(flags["eager_prefill"]))
 
 
 def drain_seconds(load: PrefillLoad, tokens: int) -> float:
@@ -154,6 +162,8 @@ class AdaptivePolicy:
         local_costs = self.local_costs(view, load)
         if local_costs is None or load is None and not view.knows_prefill:
             return Decision(Placement.REMOTE, Reason.WARMING_UP)
+        if self._config.eager and load is not None and self._queued(view, load) == 0:
+            return Decision(Placement.REMOTE, Reason.PREFILL_IDLE)  # P starts it at once (eager_prefill.py)
         remote = self._remote_ttft(uncached_tokens, view, load, local_costs)
         chunk = self.chunk(view, local_costs)
         if chunk < MIN_CHUNK:
@@ -192,13 +202,17 @@ class AdaptivePolicy:
             return view.costs
         return Coefficients(view.costs.overhead_s, load.per_token_s, view.costs.per_decode_s)
 
+    def _queued(self, view: DecodeView, load: PrefillLoad) -> int:
+        """Prompt tokens P has left to compute now, by its last published queue, aged, and what D
+        sent it since."""
+        age = max(0.0, self._clock() - load.at)
+        drained = int(age / load.per_token_s) if load.per_token_s > 0 else load.queued_tokens
+        return max(load.queued_tokens - drained, view.remote_outstanding_tokens, 0)
+
     def _remote_ttft(self, tokens: int, view: DecodeView, load: PrefillLoad | None, costs: Coefficients) -> float:
         if load is None:
             load = PrefillLoad("-", 1, 0, costs.per_prefill_token_s, costs.overhead_s, max(tokens, 1), self._clock())
-        age = max(0.0, self._clock() - load.at)
-        drained = int(age / load.per_token_s) if load.per_token_s > 0 else load.queued_tokens
-        queued = max(load.queued_tokens - drained, view.remote_outstanding_tokens, 0)
-        return drain_seconds(load, queued + tokens) + self._config.transfer_overhead_ms / 1000
+        return drain_seconds(load, self._queued(view, load) + tokens) + self._config.transfer_overhead_ms / 1000
 
     def _local_ttft(self, tokens: int, view: DecodeView, costs: Coefficients, chunk: int) -> float:
         """TTFT of a local prefill behind D's local backlog: the prompts in progress share `chunk`

@@ -2,7 +2,7 @@
 
 P: prefill legs waiting for their decode instance's decision, and the decisions that arrived (D's
 RemoteBlocks means "prefill here", D's Release before any send means "D prefills it"). D: the
-latest load each prefill instance published. The scheduler half collects both once per step as
+latest load each prefill instance published, and the legs they started before D's word. The scheduler half collects both once per step as
 `WorkerNews`. Runs on the worker thread only. Free of vLLM.
 """
 
@@ -57,6 +57,10 @@ class PlacementInbox:
 
     def on_load(self, load: PrefillLoad) -> None:
         self._news.loads[(load.prefill_host, load.prefill_handshake_port)] = load
+
+    def on_started(self, transfer_id: str) -> None:
+        """A prefill instance started this transfer's leg before our word (eager_prefill.py)."""
+        self._news.started.add(transfer_id)
 
     # ---- both ------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ D decides where the prompt is prefilled (connector/placement.py) and says so ove
 plane: its RemoteBlocks mean "prefill here and push the KV", its Release "I prefill it myself".
 Until then the leg waits in P's queue (vLLM's "ask again next step"), costing nothing; after
 `wait_s` without word it is prefilled anyway, as under static placement, which is always safe
-(D recomputes or takes the KV). A dropped leg never runs its prompt. Free of vLLM.
+(D recomputes or takes the KV); an idle P starts it at once (`start`, eager_prefill.py). A dropped
+leg never runs its prompt. Free of vLLM.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class PrefillGate:
         self._since: dict[str, float] = {}
         self._decided: dict[str, bool] = {}
         self.num_timed_out = 0
+        self.num_eager = 0
 
     def verdict(self, request_id: str) -> Verdict:
         decided = self._decided.get(request_id)
@@ -43,6 +45,15 @@ class PrefillGate:
             self.num_timed_out += 1
             return Verdict.PREFILL
         return Verdict.WAIT
+
+    def start(self, request_id: str) -> bool:
+        """Prefill a leg before D's word (P is idle); False if D's word is already in."""
+        if request_id in self._decided:
+            return False
+        self._since.setdefault(request_id, self._clock())
+        self._decided[request_id] = True
+        self.num_eager += 1
+        return True
 
     def on_decisions(self, decided: dict[str, bool]) -> None:
         """D's decisions as the worker saw them; the first word for a request is final."""

@@ -15,11 +15,12 @@ from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.decode_load import DecodeLoad, uncomputed_prompt_tokens
+from pdserve.connector.eager_prefill import EAGER_LABEL, StartedLegs, prefill_idle
 from pdserve.connector.guard import guarded
 from pdserve.connector.leg_truncation import truncate_to_one_token
 from pdserve.connector.local_chunk import MIN_CHUNK, chunk_tokens, threshold
 from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
-from pdserve.connector.placement import AdaptivePolicy, Decision, Placement, make_policy
+from pdserve.connector.placement import AdaptivePolicy, Decision, Placement, Reason, make_policy
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
 from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.connector.step_costs import StepCosts
@@ -62,6 +63,7 @@ class PDScheduler:
         self._policy = make_policy(config.placement)
         self._decode_load = DecodeLoad(budget, config.placement.itl_target_ms / 1000, chunk=chunk)
         self._decisions: dict[str, Decision] = {}
+        self._started = StartedLegs(config.defer_timeout)  # transfers P started before our word
         self._next_placement_log = 0.0
         # P
         self._pending_sends: dict[str, _PendingSend] = {}  # WRITE: prompt not yet complete
@@ -109,6 +111,8 @@ class PDScheduler:
             if self._gate is not None:
                 self._gate.on_decisions(self._shrink_dropped(news.decided))
             self._decode_load.on_loads(news.loads)
+            if news.started:
+                self._started.add(news.started)
 
     def _start_step(self, num_scheduled_tokens: dict[str, int]) -> None:
         prefill = sum(n for n in num_scheduled_tokens.values() if n > 1)
@@ -168,8 +172,11 @@ class PDScheduler:
         if count <= 0:
             return 0, False
         if isinstance(params, TransferParams):
-            decision = self._policy.decide(count, self._decode_load.view(params.peer),
-                                           self._decode_load.load_of(params.peer))
+            if params.transfer_id in self._started and isinstance(self._policy, AdaptivePolicy):
+                decision = Decision(Placement.REMOTE, Reason.PREFILL_STARTED)
+            else:
+                decision = self._policy.decide(count, self._decode_load.view(params.peer),
+                                               self._decode_load.load_of(params.peer))
             self._decisions[rid] = decision  # counted once blocks are allocated (vLLM may ask again)
             if decision.placement is Placement.LOCAL:
                 return 0, False
@@ -197,8 +204,9 @@ class PDScheduler:
     # ---- P ---------------------------------------------------------------------------------
 
     def _gate_prefill(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Adaptive placement: hold a prefill leg until D decided; one D prefills itself has been
-        cut to a one-token prompt (leg_truncation.py) and runs as that."""
+        """Adaptive placement: hold a prefill leg until D decided, unless P has nothing else to
+        prefill (eager_prefill.py); one D prefills itself has been cut to a one-token prompt
+        (leg_truncation.py) and runs as that."""
         if self._gate is None:
             return 0, False
         rid = request.request_id
@@ -223,6 +231,11 @@ class PDScheduler:
                 self._meta.placements.append(SERVED_WHOLE)
                 return None, False
             verdict = self._gate.verdict(rid)
+        if (verdict is Verdict.ASK and self._config.placement.eager
+                and prefill_idle(self._accepted, self._whole) and self._gate.start(rid)):
+            self._meta.eager.append(AwaitSpec(rid, params.transfer_id, params.peer))
+            self._meta.placements.append(EAGER_LABEL)
+            verdict = Verdict.PREFILL
         if verdict is Verdict.ASK:
             self._meta.awaits.append(AwaitSpec(rid, params.transfer_id, params.peer))
             self._legs[rid] = request
@@ -349,6 +362,8 @@ class PDScheduler:
         """Count the decision that took effect and track the load it adds."""
         decision = self._decisions.pop(request.request_id, None)
         params = self._recv_params.get(request.request_id)
+        if isinstance(params, TransferParams):
+            self._started.forget(params.transfer_id)
         if decision is None or not isinstance(params, TransferParams) or request.request_id in self._receiving:
             return
         self._meta.placements.append(decision.label)
@@ -432,6 +447,8 @@ class PDScheduler:
         self._decode_load.forget(rid)
         self._decode_load.on_finished(getattr(request, "num_output_tokens", 0))
         self._decisions.pop(rid, None)
+        if isinstance(self._recv_params.get(rid), TransferParams):
+            self._started.forget(self._recv_params[rid].transfer_id)
         if rid not in self._recv_params:  # aborted before it was ever scheduled: P may hold its KV
             self._consumer_params(request)
         if rid in self._recv_params and rid not in self._cancelled:

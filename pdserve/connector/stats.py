@@ -70,9 +70,11 @@ class PDPromMetrics(KVConnectorPromMetrics):
     `pdserve:kv_transfer_size_bytes`; one per answered handshake this instance started:
     `pdserve:kv_handshake_duration_seconds`. Placement (connector/placement.py): on D,
     `pdserve:placements_total{placement=local|remote, reason=...}`, one per decision; on P,
-    `pdserve:prefill_queued_tokens`, the prompt tokens it last published as queued, and, with
-    `serve_decode`, `pdserve:placements_total{placement="whole",reason="serve_decode"}`, one per
-    request it served whole (whole_requests.py)."""
+    `pdserve:prefill_queued_tokens`, the prompt tokens it last published as queued,
+    `pdserve:placements_total{placement="remote",reason="eager"}`, one per leg it started before
+    D's word (eager_prefill.py), and, with `serve_decode`,
+    `pdserve:placements_total{placement="whole",reason="serve_decode"}`, one per request it served
+    whole (whole_requests.py)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)

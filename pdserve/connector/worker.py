@@ -201,6 +201,8 @@ class PDWorker:
             engine.add_send(spec)
         for spec in meta.awaits:
             engine.await_decision(spec)
+        for spec in meta.eager:
+            engine.announce_start(spec)
         if meta.load is not None:
             engine.publish_load(meta.load)
             if not self._prefill_queue or self._prefill_queue[-1] != meta.load.queued_tokens:

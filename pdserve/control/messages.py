@@ -209,6 +209,19 @@ class Release:
                type(self), "reply_host and reply_notify_port must be given together, with a valid port")
 
 
+@message("prefill_started")
+@dataclass(frozen=True)
+class PrefillStarted:
+    """P -> D (adaptive placement): P, having nothing else to compute, began prefilling
+    `transfer_id` before D's decision (connector/eager_prefill.py). D takes it as its decision
+    (remote) if it has not decided yet; if it has and prefills locally, its Release stops P's send."""
+
+    transfer_id: str
+
+    def validate(self) -> None:
+        _check_transfer_id(self)
+
+
 @message("ping")
 @dataclass(frozen=True)
 class Ping:

@@ -68,3 +68,16 @@ def test_p_load_reaches_d_rate_limited():
         assert got[(P_ADDRESS.host, P_ADDRESS.handshake_port)].queued_tokens == 777
         sent = [s for s in pair.p.notifier.sent if isinstance(s.message, PrefillLoad)]
         assert len(sent) == 1
+
+
+def test_an_eager_start_reaches_d_even_before_the_handshake():
+    with Pair(WRITE) as pair:
+        pair.p.engine.announce_start(AwaitSpec("leg", "t-eager", D_ADDRESS))  # P has not met D yet
+        started: set[str] = set()
+        deadline = time.monotonic() + 5
+        while "t-eager" not in started and time.monotonic() < deadline:
+            pair.pump()
+            out = pair.d.engine.take_news()
+            started |= out.started if out else set()
+        assert started == {"t-eager"}
+        assert pair.d.engine._transfers == {}  # a word for the placement only: no transfer is started

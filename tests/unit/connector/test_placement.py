@@ -29,9 +29,9 @@ def view(running: int = 0, backlog: int = 0, outstanding: int = 0, budget: int =
                       None if itl_ms is None else itl_ms / 1000, stream_tokens)
 
 
-def policy(itl_target_ms: float = 1000.0, max_step_ms: float = 1000.0) -> AdaptivePolicy:
-    return AdaptivePolicy(PlacementConfig("adaptive", itl_target_ms=itl_target_ms, max_step_ms=max_step_ms),
-                          clock=lambda: NOW)
+def policy(itl_target_ms: float = 1000.0, max_step_ms: float = 1000.0, eager: bool = False) -> AdaptivePolicy:
+    return AdaptivePolicy(PlacementConfig("adaptive", itl_target_ms=itl_target_ms, max_step_ms=max_step_ms,
+                                          eager=eager), clock=lambda: NOW)
 
 
 def test_static_policy_always_disaggregates():
@@ -49,6 +49,13 @@ def test_idle_prefill_takes_a_long_prompt():
     assert decision.placement is Placement.REMOTE and decision.reason is Reason.REMOTE_FASTER
     assert decision.ttft_remote_s == pytest.approx(drain_seconds(load(0), 512) + 0.020)
     assert decision.ttft_local_s > decision.ttft_remote_s
+
+
+def test_with_eager_prefill_a_prompt_for_an_idle_p_is_remote():
+    # P starts a leg at once while it has nothing queued: D must not take the prompt too
+    assert policy(eager=True).decide(16, view(), load(0)).reason is Reason.PREFILL_IDLE
+    assert policy(eager=True).decide(16, view(outstanding=512), load(0)).reason is not Reason.PREFILL_IDLE
+    assert policy(eager=True).decide(512, view(), load(4096)).placement is Placement.LOCAL
 
 
 def test_a_long_prefill_queue_sends_the_prompt_local():
@@ -213,8 +220,32 @@ def test_placement_config_is_parsed_once_with_clear_errors():
         parse_placement({"itl_target_ms": "fast"})
     with pytest.raises(ConfigError, match="placement_wait out of range"):
         parse_placement({"placement_wait": 0})
+    assert not parse_placement({"placement": "adaptive"}).eager
+    assert parse_placement({"placement": "adaptive", "eager_prefill": True}).eager
+    with pytest.raises(ConfigError, match="eager_prefill needs placement adaptive"):
+        parse_placement({"eager_prefill": True})
+    with pytest.raises(ConfigError, match="eager_prefill must be true or false, got 'yes'"):
+        parse_placement({"eager_prefill": "yes"})
     with pytest.raises(ConfigError, match="needs WRITE mode"):
         parse_connector_config("kv_consumer", {"secret_file": "x", "placement": "adaptive", "read_mode": True})
+
+
+def test_started_legs_expire_and_stay_bounded():
+    from pdserve.connector import eager_prefill
+    now = [0.0]
+    started = eager_prefill.StartedLegs(2.0, clock=lambda: now[0])
+    started.add({"a"})
+    now[0] = 1.0
+    started.add({"b"})
+    assert "a" in started and "b" in started
+    now[0] = 2.5  # a's leg never asked: it is no longer taken as started, and is dropped on the next add
+    assert "a" not in started and "b" in started
+    started.add(set())
+    assert len(started) == 1
+    started.forget("b")
+    assert "b" not in started
+    started.add({f"t{i}" for i in range(eager_prefill.MAX_STARTED + 10)})
+    assert len(started) == eager_prefill.MAX_STARTED
 
 
 def test_prefill_load_message_is_validated():
