@@ -89,8 +89,8 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      startup_timeout=args.startup_timeout, log_dir=args.log_dir, restart=args.restart,
                      drain_timeout=args.drain_timeout, prefill_budget=args.prefill_budget,
                      decode_budget=args.decode_budget, itl_target_ms=args.itl_target_ms,
-                     max_step_ms=args.max_step_ms, serve_decode=args.prefill_serves_decode, eager_prefill=args.eager_prefill, num_prefill=args.num_prefill,
-                     num_decode=args.num_decode)
+                     max_step_ms=args.max_step_ms, serve_decode=args.prefill_serves_decode,
+                     eager_prefill=args.eager_prefill, num_prefill=args.num_prefill, num_decode=args.num_decode)
 
 
 def instance_lines(deployment: Deployment) -> list[str]:

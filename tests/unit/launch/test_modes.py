@@ -129,3 +129,7 @@ def test_adaptive_is_write_with_the_placement_bounds_given_to_pdserve_up():
     args = build_parser().parse_args(["up", "--mode", "adaptive", "--max-step-ms", "70"])
     from pdserve.launch.cli import options_from
     assert options_from(args).max_step_ms == 70
+    assert not options_from(args).eager_prefill and "eager_prefill" not in configs[0]
+    eager = options_from(build_parser().parse_args(["up", "--mode", "adaptive", "--eager-prefill"]))
+    argv = plan(replace(eager, model="/m", port=18500, cores=(0, 1))).instances[0].process_spec(Path("/r")).argv
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["eager_prefill"] is True
