@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pdserve.bench.records import RequestRecord
-from pdserve.bench.slo import SLO
+from pdserve.slo import SLO
 
 
 class Verdict(enum.Enum):

@@ -7,6 +7,8 @@ adaptive budget (``512/64+serve``) also lets the prefill instance serve whole re
 (``pdserve up --prefill-serves-decode``), so tuning decides whether that helps the workload;
 ``+eager`` lets an idle prefill instance start a leg before decode's word (``--eager-prefill``). ``write-two-host`` and
 ``read-two-host`` are write and read with P and D in two network namespaces: budgeted the same way.
+``adaptive@NAME`` is adaptive declaring the plan's SLO ``NAME`` (``pdserve up --slo``): budgeted,
+and tuned, as adaptive.
 """
 
 from __future__ import annotations
@@ -21,6 +23,18 @@ PLAIN_CONFIGS = ("collocated", "round-robin", "chunked")  # every instance prefi
 TWO_HOST_SUFFIX = "-two-host"
 TWO_HOST_CONFIGS = ("write" + TWO_HOST_SUFFIX, "read" + TWO_HOST_SUFFIX)  # P and D in two network namespaces
 PD_CONFIGS = ("write", "read", "nixl", "adaptive", *TWO_HOST_CONFIGS)  # a prefill instance and a decode instance
+SLO_SEPARATOR = "@"  # adaptive@tight: adaptive placement declaring the plan's SLO `tight`
+
+
+def base_config(config: str) -> str:
+    """The configuration a name deploys: ``adaptive@tight`` is adaptive."""
+    return config.partition(SLO_SEPARATOR)[0]
+
+
+def declared_slo(config: str) -> str | None:
+    """The name of the SLO a configuration declares (``adaptive@tight``: ``tight``), if any."""
+    base, sep, name = config.partition(SLO_SEPARATOR)
+    return name if sep else None
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,7 @@ class Budget:
         return cls(values[0], values[1] if len(values) == 2 else None, SERVE_SUFFIX in flags, EAGER_SUFFIX in flags)
 
     def check(self, config: str) -> None:
+        config = base_config(config)
         if config in PLAIN_CONFIGS and self.decode is not None:
             raise ConfigError(f"{config} has no decode instance: budget {self} names one")
         if self.serve_decode and config != "adaptive":

@@ -20,12 +20,12 @@ import signal
 import sys
 from pathlib import Path
 
-from pdserve.bench.budget import TWO_HOST_CONFIGS, TWO_HOST_SUFFIX
+from pdserve.bench.budget import TWO_HOST_CONFIGS, TWO_HOST_SUFFIX, base_config
 from pdserve.bench.plan import KNOWN_CONFIGS, BenchPlan
 from pdserve.bench.deployment import BENCH_PORT
 from pdserve.bench.presets import OPTIONAL_CONFIGS, PRESETS, RATIONALE, WORKLOADS, preset, with_workload
 from pdserve.bench.results import ResultsDir
-from pdserve.bench.slo import SLO
+from pdserve.slo import SLO
 from pdserve.errors import ConfigError
 
 
@@ -123,7 +123,7 @@ def drop_unregistered(plan: BenchPlan, explicit: bool) -> tuple[BenchPlan, list[
     from pdserve.bench.deployment import LauncherDeployer
 
     deployer = LauncherDeployer()
-    missing = [c for c in plan.configs if c in OPTIONAL_CONFIGS and deployer.unavailable(c)]
+    missing = [c for c in plan.configs if base_config(c) in OPTIONAL_CONFIGS and deployer.unavailable(c)]
     if not missing:
         return plan, []
     kept = tuple(c for c in plan.configs if c not in missing)

@@ -4,6 +4,7 @@ A configuration name maps to a launcher mode (``chunked`` is round-robin with a 
 --max-num-batched-tokens) plus its token budgets (budget.py): plain configurations pass theirs to
 every instance, PD ones per role (UpOptions.prefill_budget / decode_budget). Prefix caching is
 off unless the workload shares prefixes, so no point benefits from another's prompts. The
+``adaptive@NAME`` is adaptive declaring one of the plan's SLOs. The
 ``*-two-host`` configurations run the same UpOptions across two network namespaces instead
 (two_host_deployment.py); ``LauncherDeployer`` is the one place that tells them apart.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol
 
-from pdserve.bench.budget import PLAIN_CONFIGS, TWO_HOST_CONFIGS, TWO_HOST_SUFFIX, Budget
+from pdserve.bench.budget import PLAIN_CONFIGS, TWO_HOST_CONFIGS, TWO_HOST_SUFFIX, Budget, base_config
 from pdserve.errors import ConfigError, LaunchError
 
 if TYPE_CHECKING:
@@ -33,10 +34,11 @@ class DeploymentRequest:
     log_dir: Path
     budget: Budget = Budget()
     prefix_caching: bool = False
+    slo: str | None = None  # adaptive@NAME: the SLO it declares (``pdserve up --slo``)
 
     @property
     def mode(self) -> str:
-        return "round-robin" if self.config == "chunked" else self.config.removesuffix(TWO_HOST_SUFFIX)
+        return "round-robin" if self.config == "chunked" else base_config(self.config).removesuffix(TWO_HOST_SUFFIX)
 
     @property
     def two_host(self) -> bool:
@@ -64,7 +66,7 @@ class DeploymentRequest:
         return UpOptions(mode=self.mode, model=str(self.model_dir), port=port, prefix_caching=self.prefix_caching,
                          extra_vllm_args=self.extra_vllm_args, prefill_budget=prefill_budget,
                          decode_budget=decode_budget, serve_decode=self.budget.serve_decode,
-                         eager_prefill=self.budget.eager_prefill, log_dir=self.log_dir,
+                         eager_prefill=self.budget.eager_prefill, slo=self.slo, log_dir=self.log_dir,
                          startup_timeout=startup_timeout_s)
 
 

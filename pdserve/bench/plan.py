@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.budget import TWO_HOST_CONFIGS, Budget
-from pdserve.bench.slo import SLO
+from pdserve.bench.budget import SLO_SEPARATOR, TWO_HOST_CONFIGS, Budget, base_config, declared_slo
+from pdserve.slo import SLO
 from pdserve.errors import ConfigError
 
 KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl", "adaptive", *TWO_HOST_CONFIGS)
@@ -108,9 +108,11 @@ class BenchPlan:
     legacy: bool = False  # read from a plan of the first bench version (vLLM's random dataset, one stream per rate)
 
     def __post_init__(self) -> None:
-        unknown = [c for c in self.configs if c not in KNOWN_CONFIGS]
+        unknown = [c for c in self.configs if base_config(c) not in KNOWN_CONFIGS]
         if unknown:
-            raise ConfigError(f"unknown configurations {unknown} (known: {', '.join(KNOWN_CONFIGS)})")
+            raise ConfigError(f"unknown configurations {unknown} (known: {', '.join(KNOWN_CONFIGS)}, "
+                              f"and adaptive{SLO_SEPARATOR}SLO_NAME)")
+        self._check_declared_slos()
         if not self.configs or not (self.rates or self.rate_fractions) or not self.seeds or not self.slos:
             raise ConfigError("a plan needs at least one configuration, rate, seed and SLO")
         if self.rates and self.rate_fractions:
@@ -130,10 +132,26 @@ class BenchPlan:
         if self.tune_slo and self.tune_slo not in [s.name for s in self.slos]:
             raise ConfigError(f"tune SLO {self.tune_slo!r} is none of the plan's SLOs")
         for config, specs in self.candidates:
-            if config not in KNOWN_CONFIGS or not specs:
+            if base_config(config) not in KNOWN_CONFIGS or not specs:
                 raise ConfigError(f"tuning candidates for {config!r}: unknown configuration or no candidate")
             for spec in specs:
                 Budget.parse(spec).check(config)
+
+    def _check_declared_slos(self) -> None:
+        names = [s.name for s in self.slos]
+        for config in self.configs:
+            name = declared_slo(config)
+            if name is None:
+                continue
+            if base_config(config) != "adaptive":
+                raise ConfigError(f"{config}: only adaptive placement declares an SLO")
+            if name not in names:
+                raise ConfigError(f"{config}: {name!r} is none of the plan's SLOs ({', '.join(names)})")
+
+    def declared_slo(self, config: str) -> SLO | None:
+        """The plan's SLO that ``config`` (``adaptive@NAME``) declares to its deployment, if any."""
+        name = declared_slo(config)
+        return next((s for s in self.slos if s.name == name), None) if name is not None else None
 
     @property
     def calibrated(self) -> bool:
@@ -151,8 +169,13 @@ class BenchPlan:
                                    headline_rate=round(self.headline_rate * capacity, 2))
 
     def budgets(self, config: str) -> tuple[Budget, ...]:
-        """The tuning candidates of ``config``; empty when it is not tuned."""
-        return next((tuple(Budget.parse(s) for s in specs) for c, specs in self.candidates if c == config), ())
+        """The tuning candidates of ``config`` (``adaptive@NAME``: its own, else adaptive's); empty
+        when it is not tuned."""
+        for name in (config, base_config(config)):
+            specs = next((specs for c, specs in self.candidates if c == name), None)
+            if specs is not None:
+                return tuple(Budget.parse(s) for s in specs)
+        return ()
 
     @property
     def tuning_slo(self) -> SLO:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.bench.plan import BenchPlan, Workload
-from pdserve.bench.slo import SLO
+from pdserve.slo import SLO
 from pdserve.errors import ConfigError
 
 DEFAULT_SLOS = ("blog:ttft<1000,mean_itl<50", "tight:ttft<500,mean_itl<40", "stall:ttft<500,max_gap<100",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.errors import ConfigError
-from pdserve.bench.slo import Metric
+from pdserve.slo import Metric
 
 _DETAIL_KEYS = ("ttfts", "itls", "errors", "output_lens", "input_lens")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pdserve.bench.attainment import Verdict
-from pdserve.bench.budget import PLAIN_CONFIGS
+from pdserve.bench.budget import PLAIN_CONFIGS, base_config
 from pdserve.bench.calibrate import Calibration
 from pdserve.bench.comparison import BLOCK_REQUESTS, Comparison, compare
 from pdserve.bench.goodput import Bound, ratio
@@ -112,6 +112,10 @@ def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: Tun
     elif len(plan.configs) > 1:
         items.append("Order: one configuration after another (one deployment each): drift of the machine over "
                      "the run is not spread over the configurations (`--interleave` spreads it).")
+    declared = [f"`{c}` declares `{slo.spec}`" for c in plan.configs if (slo := plan.declared_slo(c))]
+    if declared:
+        items.append("Declared SLOs (adaptive placement told the SLO it serves, `pdserve up --slo`): "
+                     + "; ".join(declared) + "; `adaptive` declares none (its default bounds).")
     tuned = [d for c in plan.configs if tune_log and (d := tune_log.describe(c))]
     if tuned:
         items.append(f"Tuning (same procedure for every tuned configuration, tuning stream at "
@@ -163,7 +167,8 @@ def _goodput(plan: BenchPlan, curves: dict, slo_name: str, comparison: Compariso
     best = best_plain(plan, curves, slo_name)
     plain = [c for c in plan.configs if c in PLAIN_CONFIGS and (c, slo_name) in curves]
     # static write too, where adaptive placement is compared: it should lose to neither
-    bases = plain + ([STATIC_PD] if STATIC_PD in plan.configs and "adaptive" in plan.configs
+    adaptive = any(base_config(c) == "adaptive" for c in plan.configs)
+    bases = plain + ([STATIC_PD] if STATIC_PD in plan.configs and adaptive
                      and (STATIC_PD, slo_name) in curves else [])
     head = ["configuration", "goodput (req/s) [95 % CI]", "step", "per seed",
             *([f"÷ best plain ({best})"] if best and len(plain) > 1 else []), *(f"÷ {b}" for b in bases)]

@@ -205,7 +205,9 @@ class Runner:
     def _deployment(self, plan: BenchPlan, config: str, budget: Budget, log_dir: Path,
                     progress: Progress) -> Iterator[Endpoint]:
         progress.event(f"{config} (budget {budget}): starting deployment")
-        request = DeploymentRequest(config, self.model_dir, log_dir, budget, plan.workload.prefix_caching)
+        slo = plan.declared_slo(config)
+        request = DeploymentRequest(config, self.model_dir, log_dir, budget, plan.workload.prefix_caching,
+                                    slo.spec if slo is not None else None)
         with self.deployer.up(request) as endpoint:
             progress.event(f"{config}: warming up")
             self.warm(endpoint, plan)

@@ -16,6 +16,8 @@ The chunk follows D's running streams instead of being fixed at launch:
 
 from __future__ import annotations
 
+import math
+
 from pdserve.connector.step_costs import Coefficients
 
 MIN_CHUNK = 16  # one KV block: below this a chunk step is mostly fixed overhead, so D does not prefill locally
@@ -25,8 +27,8 @@ STEP_HEADROOM = 0.8  # of max_step a chunk step is sized to
 def chunk_tokens(costs: Coefficients | None, decodes: int, max_step_s: float, cap: int) -> int:
     """Tokens of local prefill D's next step may compute in all, with `decodes` streams in it
     (0: a step within `max_step_s` leaves no room for prefill)."""
-    if decodes <= 0:
-        return cap
+    if decodes <= 0 or math.isinf(max_step_s):
+        return cap  # nobody waits on the step, or no bound on it (a declared SLO without max_gap)
     if costs is None or costs.per_prefill_token_s <= 0:
         return 0  # no measured cost yet: no bound can be kept
     room = (STEP_HEADROOM * max_step_s - costs.step_seconds(0, decodes)) / costs.per_prefill_token_s

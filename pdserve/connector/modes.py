@@ -179,6 +179,8 @@ def adaptive(options: UpOptions) -> Deployment:
     for key in ("itl_target_ms", "max_step_ms"):
         if getattr(options, key) is not None:
             extra[key] = getattr(options, key)
+    if options.slo is not None:
+        extra["slo"] = options.slo
     if options.serve_decode:
         extra["serve_decode"] = True
     if options.eager_prefill:

@@ -18,6 +18,10 @@ smaller one, within two bounds that protect D's running streams (that is what di
   prompt when none runs). The default is the ITL target's default: a local prefill never makes a
   stream wait longer than one target ITL for a token.
 
+A declared SLO (`slo`, slo_targets.py) sets both bounds instead: its mean ITL bound, and its max-gap
+bound or none, so under a mean-ITL SLO D prefills a prompt whole beside its streams, as plain
+serving does, where P's queue makes that faster.
+
 `StaticPolicy` always disaggregates.
 """
 
@@ -30,9 +34,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from pdserve.connector.local_chunk import MIN_CHUNK, chunk_tokens
+from pdserve.connector.slo_targets import SLOTargets
 from pdserve.connector.step_costs import Coefficients, StepCosts
 from pdserve.control.messages import PrefillLoad
 from pdserve.errors import ConfigError
+from pdserve.slo import SLO
 
 PLACEMENTS = ("static", "adaptive")
 
@@ -76,14 +82,21 @@ class PlacementConfig:
     max_local_tokens: float = float("inf")  # D: never prefill more uncached tokens than this itself
     serve_decode: bool = False  # P: also a decode instance for the router, serving whole requests (whole_requests.py)
     eager: bool = False  # P: with no prompt to compute, start a leg before D's word (eager_prefill.py)
+    slo: str | None = None  # the declared SLO both bounds above were read from (slo_targets.py)
 
     @property
     def adaptive(self) -> bool:
         return self.policy == "adaptive"
 
+    @property
+    def stream_itl_s(self) -> float:
+        """The ITL by which D estimates how long a stream lives (decode_load.py): the target, or
+        without one (an SLO that bounds no ITL) the default target."""
+        return (self.itl_target_ms if math.isfinite(self.itl_target_ms) else PlacementConfig.itl_target_ms) / 1000
+
 
 PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "max_step_ms", "transfer_overhead_ms",
-                  "max_local_tokens", "serve_decode", "eager_prefill")
+                  "max_local_tokens", "serve_decode", "eager_prefill", "slo")
 ITL_HEADROOM = 0.9  # of the mean-ITL allowance a local prefill may use: streams differ from the mean
 
 
@@ -117,7 +130,28 @@ def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
                           "request the prefill instance serves whole must wait to be dropped")
     if flags["eager_prefill"] and policy != "adaptive":
         raise ConfigError("kv_connector_extra_config.eager_prefill needs placement adaptive")
-    return PlacementConfig(policy, **numbers, serve_decode=bool(serve_decode), eager=bool(flags["eager_prefill"]))
+    slo = _declared_slo(extra, policy, numbers)
+    return PlacementConfig(policy, **numbers, serve_decode=bool(serve_decode), eager=bool(flags["eager_prefill"]),
+                           slo=slo)
+
+
+def _declared_slo(extra: Mapping[str, Any], policy: str, numbers: dict) -> str | None:
+    """The `slo` key, parsed into `numbers`' ITL target and step bound (slo_targets.py)."""
+    if "slo" not in extra:
+        return None
+    text = extra["slo"]
+    if not isinstance(text, str):
+        raise ConfigError(f"kv_connector_extra_config.slo must be an SLO such as 'ttft<500,mean_itl<40', got {text!r}")
+    if policy != "adaptive":
+        raise ConfigError("kv_connector_extra_config.slo needs placement adaptive: it sets what placement protects")
+    clash = [key for key in ("itl_target_ms", "max_step_ms") if key in extra]
+    if clash:
+        raise ConfigError(f"kv_connector_extra_config: give slo or {' and '.join(clash)}, not both "
+                          f"(the SLO sets them)")
+    slo = SLO.parse(text)
+    targets = SLOTargets.of(slo)
+    numbers.update(itl_target_ms=targets.itl_target_ms, max_step_ms=targets.max_step_ms)
+    return slo.spec
 
 
 def drain_seconds(load: PrefillLoad, tokens: int) -> float:

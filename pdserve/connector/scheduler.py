@@ -61,7 +61,7 @@ class PDScheduler:
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
         # D, placement
         self._policy = make_policy(config.placement)
-        self._decode_load = DecodeLoad(budget, config.placement.itl_target_ms / 1000, chunk=chunk)
+        self._decode_load = DecodeLoad(budget, config.placement.stream_itl_s, chunk=chunk)
         self._decisions: dict[str, Decision] = {}
         self._started = StartedLegs(config.defer_timeout)  # transfers P started before our word
         self._next_placement_log = 0.0

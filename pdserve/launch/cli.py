@@ -70,6 +70,11 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-step-ms", type=float, metavar="MS",
                    help="adaptive mode: while decode has streams running, it prefills in chunks no step of "
                         "which takes longer than this, the largest gap a stream then sees (default 50)")
+    p.add_argument("--slo", metavar="SLO",
+                   help="adaptive mode: the SLO the deployment serves, e.g. 'ttft<500,mean_itl<40' or "
+                        "'ttft<1000,max_gap<50' (the bench's syntax): decode keeps its streams' mean ITL under "
+                        "the mean_itl bound and bounds its steps by max_gap, or not at all without one "
+                        "(instead of --itl-target-ms / --max-step-ms)")
     p.add_argument("--prefill-serves-decode", action="store_true",
                    help="adaptive mode, one prefill instance: it registers with the router as a decode instance "
                         "too and serves the requests sent to it whole (for decode-heavy traffic)")
@@ -89,7 +94,7 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      startup_timeout=args.startup_timeout, log_dir=args.log_dir, restart=args.restart,
                      drain_timeout=args.drain_timeout, prefill_budget=args.prefill_budget,
                      decode_budget=args.decode_budget, itl_target_ms=args.itl_target_ms,
-                     max_step_ms=args.max_step_ms, serve_decode=args.prefill_serves_decode,
+                     max_step_ms=args.max_step_ms, slo=args.slo, serve_decode=args.prefill_serves_decode,
                      eager_prefill=args.eager_prefill, num_prefill=args.num_prefill, num_decode=args.num_decode)
 
 

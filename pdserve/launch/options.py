@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from pdserve.errors import ConfigError
+from pdserve.slo import SLO
 
 GIB = 1 << 30
 DEFAULT_PORT = 18000
@@ -59,6 +60,7 @@ class UpOptions:
     decode_chunk: int | None = None  # --long-prefill-token-threshold of decode instances: one prompt's tokens a step
     itl_target_ms: float | None = None  # adaptive placement: decode prefills locally only within this mean ITL
     max_step_ms: float | None = None  # ... and while one chunk step takes no longer than this
+    slo: str | None = None  # adaptive placement: the declared SLO, instead of the two above (connector/slo_targets.py)
     serve_decode: bool = False  # adaptive placement: the prefill instance serves whole requests too
     eager_prefill: bool = False  # adaptive placement: an idle prefill instance starts a leg before decode's word
     num_prefill: int = 1
@@ -88,9 +90,18 @@ class UpOptions:
         if self.serve_decode and self.num_prefill != 1:
             raise ConfigError(f"a prefill instance serves whole requests only when it is the only one: the router "
                               f"pairs a request's legs across instances ({self.num_prefill} prefill instances given)")
+        if self.slo is not None:
+            self._check_slo()
         for name, ms in (("ITL target", self.itl_target_ms), ("largest step", self.max_step_ms)):
             if ms is not None and not 0 < ms < 1e6:
                 raise ConfigError(f"{name} {ms} ms is not a positive number of milliseconds")
+
+    def _check_slo(self) -> None:
+        if self.mode != "adaptive":
+            raise ConfigError(f"--slo is what adaptive placement protects: adaptive mode only, not {self.mode}")
+        if self.itl_target_ms is not None or self.max_step_ms is not None:
+            raise ConfigError("give --slo or --itl-target-ms / --max-step-ms, not both: the SLO sets them")
+        SLO.parse(self.slo)  # a clear error here rather than from every instance
 
     def budget_args(self, role: str) -> tuple[str, ...]:
         """`--max-num-batched-tokens` (and a decode instance's `--long-prefill-token-threshold`) for an

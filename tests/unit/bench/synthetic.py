@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from pdserve.bench.plan import BenchPlan, Workload
-from pdserve.bench.slo import SLO
+from pdserve.slo import SLO
 
 
 def plan(**over) -> BenchPlan:

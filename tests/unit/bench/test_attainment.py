@@ -2,7 +2,7 @@ import pytest
 
 from pdserve.bench.attainment import Verdict, attainment, judge
 from pdserve.bench.records import RequestRecord
-from pdserve.bench.slo import SLO
+from pdserve.slo import SLO
 
 BLOG = SLO.parse("blog:ttft<1000,mean_itl<50")
 STALL = SLO.parse("stall:ttft<1000,max_gap<200")

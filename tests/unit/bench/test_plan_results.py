@@ -75,3 +75,18 @@ def test_rate_fractions_resolve_against_the_capacity_independently_of_their_orde
         synthetic.plan(rates=(), rate_fractions=(0.001, 0.002)).resolved(1.0)
     with pytest.raises(ConfigError, match="window"):
         synthetic.plan(warmup_fraction=0.5, cooldown_fraction=0.5)
+
+
+def test_adaptive_can_declare_one_of_the_plans_slos_and_is_budgeted_as_adaptive():
+    plan = synthetic.plan(configs=("round-robin", "adaptive", "adaptive@stall"),
+                          candidates=(("adaptive", ("512", "512+serve")),))
+    assert plan.declared_slo("adaptive@stall").spec == "ttft<1000,max_gap<100"
+    assert plan.declared_slo("adaptive") is None and plan.declared_slo("round-robin") is None
+    assert [str(b) for b in plan.budgets("adaptive@stall")] == ["512", "512+serve"]
+    assert BenchPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ConfigError, match="'tight' is none of the plan's SLOs"):
+        synthetic.plan(configs=("adaptive@tight",))
+    with pytest.raises(ConfigError, match="only adaptive placement declares an SLO"):
+        synthetic.plan(configs=("write@blog",))
+    with pytest.raises(ConfigError, match="unknown configurations"):
+        synthetic.plan(configs=("smart@blog",))

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from pdserve.bench.records import RequestRecord, load_bench_run, records_from_bench
-from pdserve.bench.slo import Metric
+from pdserve.slo import Metric
 from pdserve.errors import ConfigError
 
 

@@ -244,3 +244,22 @@ def test_expect_model_refuses_a_foreign_deployment(tmp_path):
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_adaptive_declaring_an_slo_is_deployed_with_it_and_named_in_the_report(tmp_path, no_plots):
+    plan = synthetic.plan(configs=("adaptive", "adaptive@stall"), candidates=(("adaptive", ("512",)),))
+    requests = []
+
+    class Recording(FakeDeployer):
+        @contextlib.contextmanager
+        def up(self, request):
+            requests.append(request)
+            with super().up(request) as endpoint:
+                yield endpoint
+
+    runner, progress = make(tmp_path, plan, Recording(), FakeBench())
+    runner.run(progress)
+    assert [(r.config, r.mode, r.slo, str(r.budget)) for r in requests] == [
+        ("adaptive", "adaptive", None, "512"), ("adaptive@stall", "adaptive", "ttft<1000,max_gap<100", "512")]
+    assert requests[1].up_options(18800, 60).slo == "ttft<1000,max_gap<100"
+    assert "`adaptive@stall` declares `ttft<1000,max_gap<100`" in (tmp_path / "run" / "report.md").read_text()

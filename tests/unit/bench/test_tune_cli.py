@@ -4,7 +4,7 @@ import pytest
 
 from pdserve.bench import cli, tune
 from pdserve.bench.budget import Budget
-from pdserve.bench.slo import SLO
+from pdserve.slo import SLO
 from pdserve.errors import ConfigError
 
 from tests.unit.bench import synthetic

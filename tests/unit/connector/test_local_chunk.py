@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pdserve.connector.local_chunk import MIN_CHUNK, STEP_HEADROOM, chunk_tokens, threshold
 from pdserve.connector.step_costs import Coefficients
 
@@ -27,3 +29,8 @@ def test_prompts_in_progress_share_the_chunk_and_always_progress():
     assert threshold(512, 1) == 512 and threshold(512, 0) == 512
     assert threshold(100, 2) == 50
     assert threshold(20, 4) == MIN_CHUNK and threshold(0, 1) == MIN_CHUNK
+
+
+def test_without_a_step_bound_a_prompt_takes_the_whole_cap_beside_streams():
+    assert chunk_tokens(COSTS, 20, math.inf, 512) == 512
+    assert chunk_tokens(None, 20, math.inf, 512) == 512  # nothing to keep, nothing to measure

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pdserve.config import parse_connector_config
@@ -313,3 +315,37 @@ def test_a_measured_chunk_token_cost_sizes_the_chunk():
     # never cheaper than on P
     cheap = DecodeView(**{**measured.__dict__, "prefill_token_s": 0.0001})
     assert policy().local_costs(cheap, load(0)).per_prefill_token_s == 0.001
+
+
+def test_a_declared_slo_sets_the_bounds_placement_protects():
+    mean_only = parse_placement({"placement": "adaptive", "slo": "tight:ttft<500,mean_itl<40"})
+    assert (mean_only.itl_target_ms, mean_only.max_step_ms, mean_only.slo) == (40.0, math.inf, "ttft<500,mean_itl<40")
+    gap = parse_placement({"placement": "adaptive", "slo": "ttft<1000,max_gap<50"})
+    assert (gap.itl_target_ms, gap.max_step_ms) == (50.0, 50.0)  # a mean is never above the largest gap
+    both = parse_placement({"placement": "adaptive", "slo": "mean_itl<30,max_gap<100"})
+    assert (both.itl_target_ms, both.max_step_ms) == (30.0, 100.0)
+    ttft_only = parse_placement({"placement": "adaptive", "slo": "ttft<800"})
+    assert (ttft_only.itl_target_ms, ttft_only.max_step_ms) == (math.inf, math.inf)
+    assert ttft_only.stream_itl_s == 0.05 and both.stream_itl_s == 0.03  # a stream's life is still estimated
+    with pytest.raises(ConfigError, match="slo needs placement adaptive"):
+        parse_placement({"slo": "ttft<500"})
+    with pytest.raises(ConfigError, match="give slo or max_step_ms, not both"):
+        parse_placement({"placement": "adaptive", "slo": "ttft<500", "max_step_ms": 50})
+    with pytest.raises(ConfigError, match="unknown SLO metric 'gap'"):
+        parse_placement({"placement": "adaptive", "slo": "gap<500"})
+    with pytest.raises(ConfigError, match="must be an SLO such as"):
+        parse_placement({"placement": "adaptive", "slo": 500})
+
+
+def test_under_a_mean_itl_slo_d_prefills_a_prompt_whole_beside_its_streams():
+    # 20 streams: 30 ms a step; a step bound of 50 ms leaves no room for a chunk, none leaves the whole budget
+    config = parse_placement({"placement": "adaptive", "slo": "ttft<500,mean_itl<1000"})
+    unbounded = AdaptivePolicy(config, clock=lambda: NOW)
+    busy = view(running=20, budget=512, itl_ms=30)
+    assert unbounded.chunk(busy, COSTS) == 492  # the budget less the decodes' tokens
+    assert policy(max_step_ms=50).decide(512, busy, load(4096)).reason is Reason.STEP_GUARD
+    decision = unbounded.decide(512, busy, load(4096))
+    assert decision.placement is Placement.LOCAL and decision.ttft_local_s < decision.ttft_remote_s
+    # the mean ITL still bounds it: 30 ms now, + 512 x 1 ms over 64 tokens = 38 ms > 0.9 x 40 ms
+    tight = AdaptivePolicy(parse_placement({"placement": "adaptive", "slo": "ttft<500,mean_itl<40"}), clock=lambda: NOW)
+    assert tight.decide(512, busy, load(4096)).reason is Reason.ITL_GUARD

@@ -133,3 +133,20 @@ def test_adaptive_is_write_with_the_placement_bounds_given_to_pdserve_up():
     eager = options_from(build_parser().parse_args(["up", "--mode", "adaptive", "--eager-prefill"]))
     argv = plan(replace(eager, model="/m", port=18500, cores=(0, 1))).instances[0].process_spec(Path("/r")).argv
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["eager_prefill"] is True
+
+
+def test_adaptive_can_declare_the_slo_it_serves():
+    import json
+    from pdserve.launch.cli import options_from
+    options = options_from(build_parser().parse_args(["up", "--mode", "adaptive", "--slo", "ttft<500,mean_itl<40"]))
+    d = plan(replace(options, model="/m", port=18500, cores=(0, 1)))
+    for inst in d.instances:
+        argv = inst.process_spec(Path("/r")).argv
+        extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        assert extra["slo"] == "ttft<500,mean_itl<40" and "max_step_ms" not in extra and "itl_target_ms" not in extra
+    with pytest.raises(ConfigError, match="adaptive mode only, not write"):
+        UpOptions(mode="write", slo="ttft<500")
+    with pytest.raises(ConfigError, match="give --slo or --itl-target-ms / --max-step-ms, not both"):
+        UpOptions(mode="adaptive", slo="ttft<500", max_step_ms=50)
+    with pytest.raises(ConfigError, match="not of the form metric<ms"):
+        UpOptions(mode="adaptive", slo="ttft=500")

@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve.bench.slo import SLO, Condition, Metric
+from pdserve.slo import SLO, Condition, Metric
 from pdserve.errors import ConfigError
 
 

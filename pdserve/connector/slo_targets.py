@@ -1,0 +1,42 @@
+"""SLOTargets: what adaptive placement protects, read from the SLO the deployment declares.
+
+Aggregated and disaggregated serving win under opposite SLOs (TaiChi, arXiv 2508.01989): a tight
+TTFT with a loose per-token bound favours prefilling wherever a core is free, a bound on the
+largest gap between tokens favours keeping prompts off the decode instance. One placement rule
+cannot serve both, so the user says which SLO the deployment serves (`slo` in
+kv_connector_extra_config, `pdserve up --slo`, the bench's syntax: ``ttft<500,mean_itl<40``) and
+D's bounds follow it:
+
+* ``mean_itl<X``: the ITL guard keeps D's streams' mean ITL under X;
+* ``max_gap<Y``: no step of D's streams (a local chunk's, or P's with serve_decode) takes longer
+  than Y; without a max_gap bound, steps are not bounded: D prefills a prompt whole while it
+  decodes, as plain serving does, as long as the mean ITL holds;
+* a max_gap bound alone bounds the mean ITL too (a mean is never above the largest gap);
+* ``ttft<Z`` is what placement already minimises; it sets no further bound.
+
+Free of vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdserve.slo import SLO, Metric
+
+
+@dataclass(frozen=True)
+class SLOTargets:
+    itl_target_ms: float  # D's streams' mean ITL bound (inf: none)
+    max_step_ms: float  # the longest step D's streams may see (inf: none)
+
+    @classmethod
+    def of(cls, slo: SLO) -> "SLOTargets":
+        gap = slo.limit(Metric.MAX_GAP)
+        mean = slo.limit(Metric.MEAN_ITL)
+        if mean is None:
+            mean = gap
+        return cls(math.inf if mean is None else mean, math.inf if gap is None else gap)
+
+
+__all__ = ["SLOTargets"]
