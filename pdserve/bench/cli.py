@@ -34,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
-    p.add_argument("--configs", help=f"comma list from {', '.join(KNOWN_CONFIGS)}")
+    p.add_argument("--configs", help=f"comma list from {', '.join(KNOWN_CONFIGS)}, and adaptive@NAME "
+                                     f"(adaptive declaring the plan's SLO NAME, e.g. adaptive@tight)")
     p.add_argument("--rates", help="comma list of request rates (req/s; replaces the calibrated grid)")
     p.add_argument("--rate-fractions", help="comma list of rates as fractions of the calibrated capacity")
     p.add_argument("--workload", choices=sorted(WORKLOADS), help="named workload (lengths and kind)")

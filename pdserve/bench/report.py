@@ -115,7 +115,8 @@ def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: Tun
     declared = [f"`{c}` declares `{slo.spec}`" for c in plan.configs if (slo := plan.declared_slo(c))]
     if declared:
         items.append("Declared SLOs (adaptive placement told the SLO it serves, `pdserve up --slo`): "
-                     + "; ".join(declared) + "; `adaptive` declares none (its default bounds).")
+                     + "; ".join(declared) + "; `adaptive` declares none (its default bounds). Where `adaptive` "
+                     "runs too, they use the budget its tuning chose (a declared SLO is not a budget).")
     tuned = [d for c in plan.configs if tune_log and (d := tune_log.describe(c))]
     if tuned:
         items.append(f"Tuning (same procedure for every tuned configuration, tuning stream at "

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from pdserve.bench import tune
-from pdserve.bench.budget import Budget
+from pdserve.bench.budget import Budget, base_config
 from pdserve.bench.calibrate import Calibration, calibrate, vocab_size
 from pdserve.bench.deployment import Deployer, DeploymentRequest, Endpoint, check_available
 from pdserve.bench.loadgen import BenchCommand, run_bench
@@ -160,6 +160,10 @@ class Runner:
     # -- tuning -------------------------------------------------------------------------------
 
     def _tuned(self, plan: BenchPlan, config: str, progress: Progress) -> Budget:
+        if base_config(config) != config and base_config(config) in plan.configs:
+            # adaptive@NAME differs from adaptive in its declared SLO, not its budget: adaptive's tuning
+            # chooses the budget of both
+            return self._tuned(plan, base_config(config), progress)
         budgets = plan.budgets(config)
         if not budgets:
             return default_budget(plan, config)

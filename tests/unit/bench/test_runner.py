@@ -259,7 +259,23 @@ def test_adaptive_declaring_an_slo_is_deployed_with_it_and_named_in_the_report(t
 
     runner, progress = make(tmp_path, plan, Recording(), FakeBench())
     runner.run(progress)
-    assert [(r.config, r.mode, r.slo, str(r.budget)) for r in requests] == [
+    assert [(r.config, r.mode, r.slo, str(r.budget)) for r in requests if "tune" not in r.log_dir.parts] == [
         ("adaptive", "adaptive", None, "512"), ("adaptive@stall", "adaptive", "ttft<1000,max_gap<100", "512")]
     assert requests[1].up_options(18800, 60).slo == "ttft<1000,max_gap<100"
     assert "`adaptive@stall` declares `ttft<1000,max_gap<100`" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_adaptive_declaring_an_slo_takes_the_budget_adaptive_was_tuned_to(tmp_path, no_plots):
+    plan = synthetic.plan(configs=("adaptive@stall", "adaptive"), candidates=(("adaptive", ("512", "512+serve")),))
+    deployer = FakeDeployer()
+
+    def bench(command, log_path, tick):  # +serve meets the SLO in tuning, 512 does not
+        good = "tune" not in command.result_path.parts or command.result_path.stem != "512"
+        synthetic.write(command.result_path, synthetic.point_data(met_n=10 if good else 2, ttft_n=0 if good else 8))
+
+    runner, progress = make(tmp_path, plan, deployer, bench)
+    runner.run(progress)
+    ups = [(e[1], str(e[2])) for e in deployer.log if e[0] == "up"]
+    assert ups == [("adaptive", "512"), ("adaptive", "512+serve"),  # tuned once, on adaptive's own deployments
+                   ("adaptive@stall", "512+serve"), ("adaptive", "512+serve")]
+    assert "use the budget its tuning chose" in (tmp_path / "run" / "report.md").read_text()
