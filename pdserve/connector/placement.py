@@ -20,7 +20,9 @@ smaller one, within two bounds that protect D's running streams (that is what di
 
 A declared SLO (`slo`, slo_targets.py) sets both bounds instead: its mean ITL bound, and its max-gap
 bound or none, so under a mean-ITL SLO D prefills a prompt whole beside its streams, as plain
-serving does, where P's queue makes that faster.
+serving does, where P's queue makes that faster. Its TTFT bound adds a third rule: a prompt P
+serves within TTFT_HEADROOM x the bound goes to P even where D would be faster, so D spends its
+streams' ITL budget only on the prompts P cannot serve in time.
 
 `StaticPolicy` always disaggregates.
 """
@@ -53,6 +55,7 @@ class Reason(enum.Enum):
     WARMING_UP = "warming_up"  # no cost estimates yet: disaggregate
     REMOTE_FASTER = "remote_faster"
     LOCAL_FASTER = "local_faster"
+    WITHIN_TTFT = "within_ttft"  # P meets the declared TTFT target: D's streams keep their ITL budget
     ITL_GUARD = "itl_guard"  # local would be faster, but D's streams would exceed the mean ITL target
     STEP_GUARD = "step_guard"  # D's streams leave no chunk of prefill room within max_step_ms
     LONG_PROMPT = "long_prompt"  # more uncached tokens than max_local_tokens: always disaggregated
@@ -82,7 +85,8 @@ class PlacementConfig:
     max_local_tokens: float = float("inf")  # D: never prefill more uncached tokens than this itself
     serve_decode: bool = False  # P: also a decode instance for the router, serving whole requests (whole_requests.py)
     eager: bool = False  # P: with no prompt to compute, start a leg before D's word (eager_prefill.py)
-    slo: str | None = None  # the declared SLO both bounds above were read from (slo_targets.py)
+    ttft_target_ms: float = math.inf  # D: a prompt P serves within TTFT_HEADROOM x this goes to P (declared SLO)
+    slo: str | None = None  # the declared SLO these bounds were read from (slo_targets.py)
 
     @property
     def adaptive(self) -> bool:
@@ -98,6 +102,7 @@ class PlacementConfig:
 PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "max_step_ms", "transfer_overhead_ms",
                   "max_local_tokens", "serve_decode", "eager_prefill", "slo")
 ITL_HEADROOM = 0.9  # of the mean-ITL allowance a local prefill may use: streams differ from the mean
+TTFT_HEADROOM = 0.8  # of the TTFT target P's estimate must stay within: the estimate leaves out the client's hops
 
 
 def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
@@ -150,7 +155,8 @@ def _declared_slo(extra: Mapping[str, Any], policy: str, numbers: dict) -> str |
                           f"(the SLO sets them)")
     slo = SLO.parse(text)
     targets = SLOTargets.of(slo)
-    numbers.update(itl_target_ms=targets.itl_target_ms, max_step_ms=targets.max_step_ms)
+    numbers.update(itl_target_ms=targets.itl_target_ms, max_step_ms=targets.max_step_ms,
+                   ttft_target_ms=targets.ttft_target_ms)
     return slo.spec
 
 
@@ -205,6 +211,8 @@ class AdaptivePolicy:
         local = self._local_ttft(uncached_tokens, view, local_costs, chunk)
         if local >= remote:
             return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote)
+        if math.isfinite(self._config.ttft_target_ms) and remote <= TTFT_HEADROOM * self._config.ttft_target_ms / 1000:
+            return Decision(Placement.REMOTE, Reason.WITHIN_TTFT, local, remote)
         if view.running_decodes > 0 and not self._within_itl(uncached_tokens, view, local_costs):
             return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote)
         return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)

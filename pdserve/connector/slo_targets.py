@@ -12,7 +12,9 @@ D's bounds follow it:
   than Y; without a max_gap bound, steps are not bounded: D prefills a prompt whole while it
   decodes, as plain serving does, as long as the mean ITL holds;
 * a max_gap bound alone bounds the mean ITL too (a mean is never above the largest gap);
-* ``ttft<Z`` is what placement already minimises; it sets no further bound.
+* ``ttft<Z``: while P's estimated TTFT is within TTFT_HEADROOM x Z, the prompt goes to P even where
+  D would be faster, so D's streams keep their ITL budget for the prompts P cannot serve in time
+  (without it, placement takes the faster side).
 
 Free of vLLM.
 """
@@ -29,6 +31,7 @@ from pdserve.slo import SLO, Metric
 class SLOTargets:
     itl_target_ms: float  # D's streams' mean ITL bound (inf: none)
     max_step_ms: float  # the longest step D's streams may see (inf: none)
+    ttft_target_ms: float  # the TTFT bound (inf: none)
 
     @classmethod
     def of(cls, slo: SLO) -> "SLOTargets":
@@ -36,7 +39,9 @@ class SLOTargets:
         mean = slo.limit(Metric.MEAN_ITL)
         if mean is None:
             mean = gap
-        return cls(math.inf if mean is None else mean, math.inf if gap is None else gap)
+        ttft = slo.limit(Metric.TTFT)
+        return cls(math.inf if mean is None else mean, math.inf if gap is None else gap,
+                   math.inf if ttft is None else ttft)
 
 
 __all__ = ["SLOTargets"]

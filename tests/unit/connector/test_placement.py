@@ -349,3 +349,18 @@ def test_under_a_mean_itl_slo_d_prefills_a_prompt_whole_beside_its_streams():
     # the mean ITL still bounds it: 30 ms now, + 512 x 1 ms over 64 tokens = 38 ms > 0.9 x 40 ms
     tight = AdaptivePolicy(parse_placement({"placement": "adaptive", "slo": "ttft<500,mean_itl<40"}), clock=lambda: NOW)
     assert tight.decide(512, busy, load(4096)).reason is Reason.ITL_GUARD
+
+
+def test_a_declared_ttft_bound_keeps_prompts_p_serves_in_time_on_p():
+    slo = parse_placement({"placement": "adaptive", "slo": "ttft<1000,mean_itl<1000"})
+    assert slo.ttft_target_ms == 1000.0 and parse_placement({"placement": "adaptive"}).ttft_target_ms == math.inf
+    declared = AdaptivePolicy(slo, clock=lambda: NOW)
+    busy = view(running=2, budget=1024, itl_ms=20)  # D would prefill it in one 0.52 s step
+    # P has 256 tokens queued: remote 0.78 s is within 0.8 x 1 s, so it goes there though D would be faster
+    decision = declared.decide(512, busy, load(256))
+    assert (decision.placement, decision.reason) == (Placement.REMOTE, Reason.WITHIN_TTFT)
+    assert decision.ttft_local_s < decision.ttft_remote_s <= 0.8
+    # without a declared TTFT bound the faster side takes it
+    assert policy().decide(512, busy, load(256)).placement is Placement.LOCAL
+    # P's queue past the bound: D takes it, its streams' ITL permitting
+    assert declared.decide(512, busy, load(2048)).reason is Reason.LOCAL_FASTER
