@@ -25,8 +25,8 @@ from pdserve.bench.plan import KNOWN_CONFIGS, BenchPlan
 from pdserve.bench.deployment import BENCH_PORT
 from pdserve.bench.presets import OPTIONAL_CONFIGS, PRESETS, RATIONALE, WORKLOADS, preset, with_workload
 from pdserve.bench.results import ResultsDir
-from pdserve.slo import SLO
 from pdserve.errors import ConfigError
+from pdserve.slo import SLO
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -18,9 +18,9 @@ from pdserve.bench.attainment import Verdict, judge
 from pdserve.bench.goodput import goodput, ratio
 from pdserve.bench.plan import BenchPlan, Point
 from pdserve.bench.records import BenchRun
-from pdserve.slo import SLO
 from pdserve.bench.stats import Interval, bootstrap_blocks
 from pdserve.bench.summary import window
+from pdserve.slo import SLO
 
 BLOCK_REQUESTS = 8
 

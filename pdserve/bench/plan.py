@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.budget import SLO_SEPARATOR, TWO_HOST_CONFIGS, Budget, base_config, declared_slo
-from pdserve.slo import SLO
 from pdserve.errors import ConfigError
+from pdserve.slo import SLO
 
 KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl", "adaptive", *TWO_HOST_CONFIGS)
 

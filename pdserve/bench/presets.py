@@ -46,8 +46,8 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.bench.plan import BenchPlan, Workload
-from pdserve.slo import SLO
 from pdserve.errors import ConfigError
+from pdserve.slo import SLO
 
 DEFAULT_SLOS = ("blog:ttft<1000,mean_itl<50", "tight:ttft<500,mean_itl<40", "stall:ttft<500,max_gap<100",
                 "stall1s:ttft<1000,max_gap<100", "gap50:ttft<1000,max_gap<50")

@@ -16,9 +16,9 @@ from pdserve.bench.attainment import Attainment, Verdict, attainment
 from pdserve.bench.goodput import Goodput, goodput
 from pdserve.bench.plan import BenchPlan, Point
 from pdserve.bench.records import BenchRun, RequestRecord
-from pdserve.slo import SLO
 from pdserve.bench.stats import Interval, Proportion, percentile
 from pdserve.errors import ConfigError
+from pdserve.slo import SLO
 
 
 def window(plan: BenchPlan, seed: int) -> range:

@@ -1,7 +1,7 @@
 import pytest
 
-from pdserve.slo import SLO, Condition, Metric
 from pdserve.errors import ConfigError
+from pdserve.slo import SLO, Condition, Metric
 
 
 def test_parse_named_slo():

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from pdserve.bench.records import RequestRecord, load_bench_run, records_from_bench
-from pdserve.slo import Metric
 from pdserve.errors import ConfigError
+from pdserve.slo import Metric
 
 
 def _detail(**over):

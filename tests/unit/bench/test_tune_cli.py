@@ -4,8 +4,8 @@ import pytest
 
 from pdserve.bench import cli, tune
 from pdserve.bench.budget import Budget
-from pdserve.slo import SLO
 from pdserve.errors import ConfigError
+from pdserve.slo import SLO
 
 from tests.unit.bench import synthetic
 
