@@ -4,8 +4,12 @@ Decided by D's scheduler when a request's decode leg first asks for its KV, from
 uncached prompt length and live load: P's published queue (a `PrefillLoad`, sent by P over the
 control plane) and D's own running decodes and local prefill backlog (`DecodeView`). Free of vLLM.
 
-`AdaptivePolicy` estimates the TTFT of each placement from measured step costs and picks the
-smaller one, within two bounds that protect D's running streams (that is what disaggregation is for):
+While P has nothing queued the prompt goes to P (`prefill_idle`): P starts it at once, and D stays
+free to decide the next request and to give landed requests their first token, which a local
+prefill step would hold back (a first build that took the faster side here made a request that
+arrived during D's ~570 ms local step on one EPYC core wait for D's decision while P sat idle).
+Otherwise `AdaptivePolicy` estimates the TTFT of each placement from measured step costs and picks
+the smaller one, within two bounds that protect D's running streams (that is what disaggregation is for):
 
 * mean ITL (`itl_target_ms`, what the usual SLOs bound): a stream of L tokens sees every prompt
   token D computes while it runs, so this prompt and D's local backlog add about
@@ -19,10 +23,12 @@ smaller one, within two bounds that protect D's running streams (that is what di
   stream wait longer than one target ITL for a token.
 
 A declared SLO (`slo`, slo_targets.py) sets both bounds instead: its mean ITL bound, and its max-gap
-bound or none, so under a mean-ITL SLO D prefills a prompt whole beside its streams, as plain
-serving does, where P's queue makes that faster. Its TTFT bound adds a third rule: a prompt P
+bound or none, so under a mean-ITL SLO D prefills a prompt beside its streams in chunks only the
+response bound (below) limits, much as plain serving prefills it whole, where P's queue makes that faster. Its TTFT bound adds a third rule: a prompt P
 serves within TTFT_HEADROOM x the bound goes to P even where D would be faster, so D spends its
-streams' ITL budget only on the prompts P cannot serve in time.
+streams' ITL budget only on the prompts P cannot serve in time; and where P would miss the bound
+and D would meet it, the ITL guard allows the streams' whole target instead of ITL_HEADROOM of it
+(`ttft_rescue`): a certain TTFT miss outweighs the guard's margin.
 
 `StaticPolicy` always disaggregates.
 """
@@ -57,10 +63,11 @@ class Reason(enum.Enum):
     LOCAL_FASTER = "local_faster"
     WITHIN_TTFT = "within_ttft"  # P meets the declared TTFT target: D's streams keep their ITL budget
     ITL_GUARD = "itl_guard"  # local would be faster, but D's streams would exceed the mean ITL target
+    TTFT_RESCUE = "ttft_rescue"  # P would miss the declared TTFT bound, D meets it: the ITL guard's headroom is spent
     STEP_GUARD = "step_guard"  # D's streams leave no chunk of prefill room within max_step_ms
     LONG_PROMPT = "long_prompt"  # more uncached tokens than max_local_tokens: always disaggregated
     PREFILL_STARTED = "prefill_started"  # an idle P started it before D decided (eager_prefill.py)
-    PREFILL_IDLE = "prefill_idle"  # P has nothing queued: it starts the leg before D's word (eager_prefill.py)
+    PREFILL_IDLE = "prefill_idle"  # P has nothing queued: it prefills at once, and D stays free to decide and decode
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,13 @@ class PlacementConfig:
         return self.policy == "adaptive"
 
     @property
+    def response_step_s(self) -> float:
+        """The longest local prefill step D runs, streams or not (local_chunk.py): RESPONSE_SHARE of
+        the declared TTFT bound, or of DEFAULT_TTFT_MS without one."""
+        ttft_ms = self.ttft_target_ms if math.isfinite(self.ttft_target_ms) else DEFAULT_TTFT_MS
+        return RESPONSE_SHARE * ttft_ms / 1000
+
+    @property
     def stream_itl_s(self) -> float:
         """The ITL by which D estimates how long a stream lives (decode_load.py): the target, or
         without one (an SLO that bounds no ITL) the default target."""
@@ -102,6 +116,8 @@ class PlacementConfig:
 PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "max_step_ms", "transfer_overhead_ms",
                   "max_local_tokens", "serve_decode", "eager_prefill", "slo")
 ITL_HEADROOM = 0.9  # of the mean-ITL allowance a local prefill may use: streams differ from the mean
+RESPONSE_SHARE = 0.15  # of the TTFT bound one local prefill step may hold back decisions and landed first tokens
+DEFAULT_TTFT_MS = 1000.0  # the TTFT bound of a deployment that declares none (the blog SLO's)
 TTFT_HEADROOM = 0.8  # of the TTFT target P's estimate must stay within: the estimate leaves out the client's hops
 
 
@@ -202,8 +218,8 @@ class AdaptivePolicy:
         local_costs = self.local_costs(view, load)
         if local_costs is None or load is None and not view.knows_prefill:
             return Decision(Placement.REMOTE, Reason.WARMING_UP)
-        if self._config.eager and load is not None and self._queued(view, load) == 0:
-            return Decision(Placement.REMOTE, Reason.PREFILL_IDLE)  # P starts it at once (eager_prefill.py)
+        if load is not None and self._queued(view, load) == 0:
+            return Decision(Placement.REMOTE, Reason.PREFILL_IDLE)  # P starts it at once; D stays free
         remote = self._remote_ttft(uncached_tokens, view, load, local_costs)
         chunk = self.chunk(view, local_costs)
         if chunk < MIN_CHUNK:
@@ -213,23 +229,27 @@ class AdaptivePolicy:
             return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote)
         if math.isfinite(self._config.ttft_target_ms) and remote <= TTFT_HEADROOM * self._config.ttft_target_ms / 1000:
             return Decision(Placement.REMOTE, Reason.WITHIN_TTFT, local, remote)
-        if view.running_decodes > 0 and not self._within_itl(uncached_tokens, view, local_costs):
+        if view.running_decodes > 0 and not self._within_itl(uncached_tokens, view, local_costs, ITL_HEADROOM):
+            target_s = self._config.ttft_target_ms / 1000
+            if remote > target_s >= local and self._within_itl(uncached_tokens, view, local_costs, 1.0):
+                return Decision(Placement.LOCAL, Reason.TTFT_RESCUE, local, remote)
             return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote)
         return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)
 
     def chunk(self, view: DecodeView, costs: Coefficients | None) -> int:
         """Local prefill tokens D's next step may compute (local_chunk.py), within its budget."""
         cap = min(view.chunk or view.budget, max(0, view.budget - view.running_decodes))
-        return chunk_tokens(costs, view.running_decodes, self._config.max_step_ms / 1000, cap)
+        return chunk_tokens(costs, view.running_decodes, self._config.max_step_ms / 1000, cap,
+                            self._config.response_step_s)
 
-    def _within_itl(self, tokens: int, view: DecodeView, costs: Coefficients) -> bool:
+    def _within_itl(self, tokens: int, view: DecodeView, costs: Coefficients, headroom: float) -> bool:
         """Whether D's running streams keep their mean ITL under the target with this prompt
         prefilled here too (see the module docstring)."""
         if view.stream_tokens <= 0:
             return False  # no stream has finished: how many tokens a stream shares the delay over is unknown
         itl = view.recent_itl_s if view.recent_itl_s is not None else costs.step_seconds(0, view.running_decodes + 1)
         added = costs.per_prefill_token_s * (view.local_backlog_tokens + tokens) / view.stream_tokens
-        return itl + added <= ITL_HEADROOM * self._config.itl_target_ms / 1000
+        return itl + added <= headroom * self._config.itl_target_ms / 1000
 
     def local_costs(self, view: DecodeView, load: PrefillLoad | None) -> Coefficients | None:
         """D's step costs; a prompt token costs what it measured in its own chunk steps (never less

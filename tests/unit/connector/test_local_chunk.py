@@ -34,3 +34,16 @@ def test_prompts_in_progress_share_the_chunk_and_always_progress():
 def test_without_a_step_bound_a_prompt_takes_the_whole_cap_beside_streams():
     assert chunk_tokens(COSTS, 20, math.inf, 512) == 512
     assert chunk_tokens(None, 20, math.inf, 512) == 512  # nothing to keep, nothing to measure
+
+
+def test_the_response_bound_holds_every_step_with_or_without_streams():
+    # no stream: 0.8 x 100 ms - 10 ms overhead leaves 70 ms, 35 tokens at 2 ms
+    assert chunk_tokens(COSTS, 0, 0.050, 512, response_s=0.100) == 35
+    assert chunk_tokens(COSTS, 0, math.inf, 512, response_s=0.100) == 35
+    # with streams the tighter of the two bounds holds
+    assert chunk_tokens(COSTS, 5, 0.100, 512, response_s=0.050) == chunk_tokens(COSTS, 5, 0.050, 512)
+    assert chunk_tokens(COSTS, 5, 0.050, 512, response_s=0.100) == chunk_tokens(COSTS, 5, 0.050, 512)
+    # with no stream it never stops a prompt, and never passes the cap
+    assert chunk_tokens(COSTS, 0, math.inf, 512, response_s=0.010) == MIN_CHUNK
+    assert chunk_tokens(COSTS, 0, math.inf, 20, response_s=10.0) == 20
+    assert chunk_tokens(None, 0, math.inf, 512, response_s=0.100) == 512  # unmeasured: the first prompt runs whole

@@ -46,18 +46,23 @@ def test_without_costs_it_disaggregates_while_warming_up():
     assert policy().decide(512, view(knows_prefill=False), None).reason is Reason.WARMING_UP
 
 
-def test_idle_prefill_takes_a_long_prompt():
-    decision = policy().decide(512, view(), load(0))
-    assert decision.placement is Placement.REMOTE and decision.reason is Reason.REMOTE_FASTER
-    assert decision.ttft_remote_s == pytest.approx(drain_seconds(load(0), 512) + 0.020)
-    assert decision.ttft_local_s > decision.ttft_remote_s
-
-
-def test_with_eager_prefill_a_prompt_for_an_idle_p_is_remote():
-    # P starts a leg at once while it has nothing queued: D must not take the prompt too
+def test_an_idle_prefill_instance_takes_every_prompt():
+    # with nothing queued on P the prompt goes there at once, even where D's estimate is lower:
+    # D stays free to decide the next request and to give landed requests their first token
+    for tokens in (16, 512):
+        decision = policy().decide(tokens, view(), load(0))
+        assert (decision.placement, decision.reason) == (Placement.REMOTE, Reason.PREFILL_IDLE)
     assert policy(eager=True).decide(16, view(), load(0)).reason is Reason.PREFILL_IDLE
-    assert policy(eager=True).decide(16, view(outstanding=512), load(0)).reason is not Reason.PREFILL_IDLE
-    assert policy(eager=True).decide(512, view(), load(4096)).placement is Placement.LOCAL
+    # what D sent P and has not landed counts as queued, and a queue sends a long prompt local
+    assert policy().decide(16, view(outstanding=512), load(0)).reason is not Reason.PREFILL_IDLE
+    assert policy().decide(512, view(), load(4096)).placement is Placement.LOCAL
+
+
+def test_a_short_queue_on_p_keeps_a_long_prompt_remote():
+    decision = policy().decide(512, view(), load(16))
+    assert decision.placement is Placement.REMOTE and decision.reason is Reason.REMOTE_FASTER
+    assert decision.ttft_remote_s == pytest.approx(drain_seconds(load(16), 528) + 0.020)
+    assert decision.ttft_local_s > decision.ttft_remote_s
 
 
 def test_a_long_prefill_queue_sends_the_prompt_local():
@@ -76,9 +81,13 @@ def test_the_chunk_follows_the_running_streams():
     decision = policy(max_step_ms=75).decide(512, chunked(running=10), load(4096))
     assert decision.placement is Placement.LOCAL
     assert decision.ttft_local_s == pytest.approx(13 * 0.060)  # ceil(512 / 40) steps of 60 ms
-    # with nothing decoding there is no stream to protect: the whole prompt in one step
+    # with nothing decoding there is no stream to protect, but a step still answers within the
+    # response bound, 0.15 x the 1 s TTFT bound: 0.8 x 150 = 120 ms, 110 tokens a step
     idle = policy(max_step_ms=75).decide(512, chunked(running=0), load(4096))
-    assert idle.ttft_local_s == pytest.approx(0.010 + 0.512)
+    assert idle.ttft_local_s == pytest.approx(5 * 0.120)
+    # a declared TTFT bound sets the response bound: 0.15 x 2 s = 300 ms, 0.8 x 300 = 240 ms, 230 tokens
+    loose = AdaptivePolicy(PlacementConfig("adaptive", max_step_ms=75, ttft_target_ms=2000), clock=lambda: NOW)
+    assert loose.decide(512, chunked(running=0), load(40960)).ttft_local_s == pytest.approx(3 * 0.240)
     # behind a local backlog the prompts share the chunk: ceil(612 / 40) steps
     behind = policy(max_step_ms=75).decide(512, chunked(running=10, backlog=100), load(40960))
     assert behind.ttft_local_s == pytest.approx(16 * 0.060)
@@ -112,6 +121,22 @@ def test_the_itl_guard_bounds_the_streams_mean_itl():
     assert chunky.decide(512, view(running=0, stream_tokens=0), load(4096)).placement is Placement.LOCAL
 
 
+def test_where_p_would_miss_the_declared_ttft_the_itl_guard_spends_its_headroom():
+    declared = AdaptivePolicy(PlacementConfig("adaptive", itl_target_ms=50, max_step_ms=math.inf,
+                                              ttft_target_ms=1000), clock=lambda: NOW)
+    # 38 + 8 = 46 ms is past 0.9 x 50 but within 50: P (~4.6 s) misses 1 s, D (0.74 s) meets it
+    rescued = declared.decide(512, view(running=10, itl_ms=38), load(4096))
+    assert (rescued.placement, rescued.reason) == (Placement.LOCAL, Reason.TTFT_RESCUE)
+    assert rescued.ttft_local_s <= 1.0 < rescued.ttft_remote_s
+    # never past the target itself
+    assert declared.decide(512, view(running=10, itl_ms=43), load(4096)).reason is Reason.ITL_GUARD
+    # where P meets the bound (~0.84 s) the guard keeps its headroom
+    kept = declared.decide(512, view(running=10, itl_ms=38), load(300))
+    assert kept.reason is Reason.ITL_GUARD and kept.ttft_remote_s <= 1.0
+    # without a declared TTFT bound there is nothing to rescue
+    assert policy(itl_target_ms=50).decide(512, view(running=10, itl_ms=38), load(4096)).reason is Reason.ITL_GUARD
+
+
 def test_a_published_queue_ages_and_d_counts_what_it_sent():
     stale = load(4096, at=NOW - 10)  # drained 10 s ago at 1 ms/token
     assert policy().decide(512, view(), stale).placement is Placement.REMOTE
@@ -131,10 +156,11 @@ def test_d_local_backlog_counts_against_local():
 
 
 def test_until_d_prefilled_itself_it_assumes_p_per_token_cost():
-    slow_p = load(0, per_token_s=0.01)
+    slow_p = load(16, per_token_s=0.01)
     d_unknown = view(costs=Coefficients(0.010, 0.0, 0.001), knows_prefill=False)
     decision = policy().decide(64, d_unknown, slow_p)
-    assert decision.ttft_local_s == pytest.approx(0.010 + 64 * 0.01)
+    # at 10 ms a token the 150 ms response bound leaves one 16-token block a step: 4 steps
+    assert decision.ttft_local_s == pytest.approx(4 * (0.010 + 16 * 0.01))
 
 
 def test_step_costs_fit_a_linear_model():
@@ -337,12 +363,16 @@ def test_a_declared_slo_sets_the_bounds_placement_protects():
         parse_placement({"placement": "adaptive", "slo": 500})
 
 
-def test_under_a_mean_itl_slo_d_prefills_a_prompt_whole_beside_its_streams():
-    # 20 streams: 30 ms a step; a step bound of 50 ms leaves no room for a chunk, none leaves the whole budget
-    config = parse_placement({"placement": "adaptive", "slo": "ttft<500,mean_itl<1000"})
+def test_under_a_mean_itl_slo_only_the_response_bound_limits_d_steps_beside_its_streams():
+    # 20 streams: 30 ms a step; a step bound of 50 ms leaves no room for a chunk; with none, the
+    # response bound (0.15 x 5 s: 0.8 x 750 = 600 ms a step) leaves the whole budget
+    config = parse_placement({"placement": "adaptive", "slo": "ttft<5000,mean_itl<1000"})
     unbounded = AdaptivePolicy(config, clock=lambda: NOW)
     busy = view(running=20, budget=512, itl_ms=30)
     assert unbounded.chunk(busy, COSTS) == 492  # the budget less the decodes' tokens
+    # with ttft<500 it is 0.8 x 75 = 60 ms a step: 30 tokens beside the 30 ms of decodes
+    short = AdaptivePolicy(parse_placement({"placement": "adaptive", "slo": "ttft<500,mean_itl<1000"}), clock=lambda: NOW)
+    assert short.chunk(busy, COSTS) == 30
     assert policy(max_step_ms=50).decide(512, busy, load(4096)).reason is Reason.STEP_GUARD
     decision = unbounded.decide(512, busy, load(4096))
     assert decision.placement is Placement.LOCAL and decision.ttft_local_s < decision.ttft_remote_s
