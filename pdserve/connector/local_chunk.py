@@ -9,7 +9,7 @@ The chunk follows D's running streams instead of being fixed at launch:
 * whether streams run or not, no step is longer than `response_s` either: D decides where a new
   request is prefilled, and gives a request whose KV just landed its first token, only between
   steps, so a whole 512-token prompt in one step (~570 ms on one EPYC core) held both back by up
-  to that long, while P sat idle (`benchmarks/adaptive/response-bound.md`). The bound costs a
+  to that long, while P sat idle (`benchmarks/adaptive/placement-rules.md`). The bound costs a
   local prefill one step overhead per extra chunk;
 * with neither bound (no stream, and no response bound), a prompt takes up to the cap (the whole
   prompt, for the usual cap) in one step.
