@@ -4,13 +4,15 @@ Every configuration received the same request stream at every rate (arrivals.py)
 of seed s is the same request everywhere. The scored window of each seed is cut into blocks of
 ``BLOCK_REQUESTS`` consecutive requests; one bootstrap resample draws blocks with replacement and
 recomputes, from the drawn blocks only, every configuration's attainment curve, its goodput and
-every goodput ratio. Drawing the same blocks for all configurations pairs the comparison: the
-noise of the stream itself (a burst of arrivals) cancels in the ratio.
+every goodput ratio, and every difference of attainment at one rate. Drawing the same blocks for
+all configurations pairs the comparison: the noise of the stream itself (a burst of arrivals)
+cancels in the ratio and in the difference. The difference still compares configurations where
+their goodputs cannot (all of them below the lowest rate, or above the highest).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +35,8 @@ class Comparison:
     goodput_ci: dict[str, Interval]
     ratio_ci: dict[tuple[str, str], Interval]
     num_blocks: int
+    # (a, b, rate) -> attainment of a minus attainment of b at that rate, on the same requests
+    difference_ci: dict[tuple[str, str, float], Interval] = field(default_factory=dict)
 
 
 def blocks(plan: BenchPlan) -> list[tuple[int, range]]:
@@ -60,13 +64,19 @@ def compare(plan: BenchPlan, runs: dict[Point, BenchRun], slo: SLO) -> Compariso
            for c in configs}
     pairs = [(a, b) for a in configs for b in configs if a != b]
 
+    differences = [(a, b, r) for a, b in pairs for r in rates]
+
     def statistic(idx: np.ndarray) -> np.ndarray:
         total = sizes[idx].sum()
-        g = {c: goodput(rates, list(met[c][:, idx].sum(axis=1) / total), plan.target) for c in configs}
-        return np.array([g[c].value for c in configs] + [ratio(g[a], g[b]).value for a, b in pairs])
+        att = {c: met[c][:, idx].sum(axis=1) / total for c in configs}
+        g = {c: goodput(rates, list(att[c]), plan.target) for c in configs}
+        return np.array([g[c].value for c in configs] + [ratio(g[a], g[b]).value for a, b in pairs]
+                        + [att[a][rates.index(r)] - att[b][rates.index(r)] for a, b, r in differences])
 
     intervals = bootstrap_blocks(len(cut), statistic)
-    return Comparison(slo, dict(zip(configs, intervals)), dict(zip(pairs, intervals[len(configs):])), len(cut))
+    n, m = len(configs), len(pairs)
+    return Comparison(slo, dict(zip(configs, intervals)), dict(zip(pairs, intervals[n:n + m])), len(cut),
+                      dict(zip(differences, intervals[n + m:])))
 
 
 def _met(run: BenchRun, positions: range, slo: SLO) -> int:

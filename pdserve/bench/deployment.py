@@ -74,6 +74,7 @@ class DeploymentRequest:
 class Endpoint:
     base_url: str  # http://127.0.0.1:PORT of the router (or the single instance, or a relay to the router)
     model_name: str  # the served model id
+    instance_urls: tuple[str, ...] = ()  # each vLLM instance's own base URL (its /metrics), where reachable
 
 
 class Deployer(Protocol):
@@ -148,7 +149,8 @@ class LauncherDeployer:
             cluster.wait_healthy(self.startup_timeout_s)
             # PD routers do not all answer /v1/models: ask an instance which model is served.
             instance_url = next(iter(cluster.instance_urls.values()))
-            yield Endpoint(cluster.endpoint, expect_model(instance_url, request.model_dir))
+            yield Endpoint(cluster.endpoint, expect_model(instance_url, request.model_dir),
+                           tuple(cluster.instance_urls.values()))
         finally:
             cluster.stop()
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from pdserve.bench import placements
 from pdserve.bench.attainment import Verdict
 from pdserve.bench.budget import PLAIN_CONFIGS, base_config
 from pdserve.bench.calibrate import Calibration
@@ -41,7 +43,8 @@ the same request stream, so each ratio's interval is that of a paired comparison
 def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path, notes: Sequence[str] = (),
                  plots: Sequence[Path] = (), calibration: Calibration | None = None, tune_log: TuneLog | None = None,
                  added_slos: Sequence[str] = (), rate_fractions: Sequence[float] = (),
-                 headline_fraction: float | None = None) -> str:
+                 headline_fraction: float | None = None,
+                 placement_counts: Mapping[Point, placements.Counts] | None = None) -> str:
     """Render the report for the points measured so far, write it to ``path``, return the text."""
     curves = {(c, slo.name): cv for c in plan.configs for slo in plan.slos
               if (cv := curve(plan, runs, c, slo)) is not None}
@@ -62,7 +65,9 @@ def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path, notes
         lines += _headline(plan, curves, slo.name)
         lines += _goodput(plan, curves, slo.name, comparison)
         lines += _curves(plan, curves, slo.name)
+        lines += _differences(plan, curves, slo.name, comparison)
     lines += _latencies(plan, runs)
+    lines += placements.section(_placement_rows(plan, placement_counts or {}))
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{p.stem}]({p.relative_to(path.parent).as_posix()})" for p in plots] + [""]
@@ -71,6 +76,19 @@ def write_report(plan: BenchPlan, runs: dict[Point, BenchRun], path: Path, notes
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
+
+
+def _placement_rows(plan: BenchPlan, counts: Mapping[Point, placements.Counts]) -> list:
+    """(configuration, rate, decisions summed over the seeds) in the plan's order."""
+    rows = []
+    for config in plan.configs:
+        for rate in sorted(plan.rates):
+            summed: Counter[str] = Counter()
+            for point, point_counts in counts.items():
+                if point.config == config and point.rate == rate:
+                    summed.update(point_counts)
+            rows.append((config, rate, dict(summed)))
+    return rows
 
 
 def _setup(plan: BenchPlan) -> str:
@@ -208,6 +226,37 @@ def _curves(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
         cells = [(_attainment(at) if (at := cv.at(r)) else "") if cv else "" for r in rates]
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def _differences(plan: BenchPlan, curves: dict, slo_name: str, comparison: Comparison | None) -> list[str]:
+    """Attainment minus the best plain configuration's (and, for adaptive, static write's) at each
+    rate, on the same requests, with the paired bootstrap interval: it tells configurations apart
+    where their goodputs cannot (both below the lowest rate, or both above the highest)."""
+    if comparison is None or not comparison.difference_ci:
+        return []
+    rates = sorted(plan.rates)
+    best = best_plain(plan, curves, slo_name)
+    adaptive = [c for c in plan.configs if base_config(c) == "adaptive"]
+    tables = [(best, [c for c in plan.configs if c != best])] if best else []
+    if adaptive and STATIC_PD in plan.configs and STATIC_PD != best:
+        tables.append((STATIC_PD, adaptive))
+    lines = []
+    for base, rows in tables:
+        rows = [c for c in rows if any((c, base, r) in comparison.difference_ci for r in rates)]
+        if not rows:
+            continue
+        lines += [f"### Attainment minus {base}'s, per rate (same requests; paired block bootstrap, 95 % CI)", "",
+                  "| configuration | " + " | ".join(f"{r:g}" for r in rates) + " |", "|---|" + "---|" * len(rates)]
+        for config in rows:
+            cells = []
+            for r in rates:
+                ci = comparison.difference_ci.get((config, base, r))
+                a, b = curves[(config, slo_name)].at(r), curves[(base, slo_name)].at(r)
+                cells.append(f"{a.attainment.fraction - b.attainment.fraction:+.2f} {ci}"
+                             if ci is not None and a and b else "")
+            lines.append(f"| {config} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def _latencies(plan: BenchPlan, runs: dict[Point, BenchRun]) -> list[str]:

@@ -7,6 +7,7 @@
     <dir>/calibration.json               machine, measured step times, capacity (places the rates)
     <dir>/tune.json                      budget tuning of every tuned configuration
     <dir>/raw/tune/<config>/<budget>.json   the tuning points
+    <dir>/placements/<config>/r<rate>_s<seed>.json   decode's placement decisions over the point
     <dir>/notes.json                     setup notes the report repeats (tuning, workarounds)
     <dir>/report.md, summary.json, plots/*.png
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.bench import placements
 from pdserve.bench.calibrate import Calibration
 from pdserve.bench.plan import BenchPlan, Point
 from pdserve.bench.records import BenchRun, load_bench_run
@@ -65,6 +67,14 @@ class ResultsDir:
     def trace_path(self, point: Point) -> Path:
         """The replayed request stream (same for every configuration)."""
         return self.root / "traces" / f"r{point.rate:g}_s{point.seed}.jsonl"
+
+    def placements_path(self, point: Point) -> Path:
+        return self.root / "placements" / point.config / f"r{point.rate:g}_s{point.seed}.json"
+
+    def placement_counts(self, plan: BenchPlan) -> dict[Point, placements.Counts]:
+        """The recorded placement decisions of ``plan``'s points (points without a record are absent)."""
+        return {p: placements.load(self.placements_path(p)) for p in plan.points()
+                if self.placements_path(p).exists()}
 
     def log_dir(self, config: str) -> Path:
         return self.root / "logs" / config

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from pdserve.bench import tune
+from pdserve.bench import placements, tune
 from pdserve.bench.budget import Budget, base_config
 from pdserve.bench.calibrate import Calibration, calibrate, vocab_size
 from pdserve.bench.deployment import Deployer, DeploymentRequest, Endpoint, check_available
@@ -224,8 +224,12 @@ class Runner:
             command = BenchCommand(endpoint.base_url, endpoint.model_name, self.model_dir, plan.workload,
                                    point.rate, point.seed, self.results.raw_path(point),
                                    self.results.trace_path(point))
+            before = placements.read_counts(endpoint.instance_urls)
             self.bench(command, self.results.log_dir(point.config) / f"bench_r{point.rate:g}_s{point.seed}.log",
                        tick=progress.tick)
+            after = placements.read_counts(endpoint.instance_urls)
+            if endpoint.instance_urls and before is not None and after is not None:
+                placements.save(self.results.placements_path(point), placements.difference(before, after))
             progress.finish_point(self._point_s(plan, point.rate))
 
     def _point_s(self, plan: BenchPlan, rate: float) -> float:
@@ -250,7 +254,7 @@ def publish(plan: BenchPlan, results: ResultsDir, added_slos: Sequence[str] = ()
             notes = [*notes, f"Tuning log not shown: {exc}"]
     plots = write_plots(resolved, runs, results.plots_dir)
     write_report(resolved, runs, results.report_path, notes=notes, plots=plots, calibration=results.calibration(),
-                 tune_log=tune_log, added_slos=added_slos, rate_fractions=plan.rate_fractions,
+                 tune_log=tune_log, placement_counts=results.placement_counts(resolved), added_slos=added_slos, rate_fractions=plan.rate_fractions,
                  headline_fraction=plan.headline_rate if plan.calibrated else None)
     return results.report_path
 

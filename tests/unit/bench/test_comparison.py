@@ -52,3 +52,18 @@ def test_a_configuration_that_holds_up_longer_has_a_ratio_interval_above_one(tmp
 
 
 plan_rates = [1.0, 2.0, 3.0]
+
+
+def test_paired_attainment_differences_tell_configurations_apart_where_goodputs_cannot(tmp_path):
+    # both below the 90 % target at every rate (goodput 0 for both), but one meets 30 of 40, the other 10
+    better = {1.0: 30, 2.0: 30, 3.0: 20}
+    worse = {1.0: 10, 2.0: 30, 3.0: 20}
+    plan, runs = measured(tmp_path, lambda p: (better if p.config == "collocated" else worse)[p.rate])
+    comparison = compare(plan, runs, plan.slos[0])
+    ratio_ci = comparison.ratio_ci[("collocated", "round-robin")]
+    assert not (ratio_ci.low > 1.0)  # the goodput ratio says nothing here
+    at_1 = comparison.difference_ci[("collocated", "round-robin", 1.0)]
+    assert 0.0 < at_1.low <= 0.5 <= at_1.high  # +0.5 on the same requests, and the interval excludes 0
+    assert comparison.difference_ci[("round-robin", "collocated", 1.0)].high < 0.0
+    same = comparison.difference_ci[("collocated", "round-robin", 2.0)]
+    assert same.low == pytest.approx(0.0) and same.high == pytest.approx(0.0)

@@ -165,3 +165,15 @@ def test_adaptive_is_compared_with_static_write_too(measured, tmp_path):
     without = write_report(dataclasses.replace(pd, configs=("collocated", "write")),
                            {p: r for p, r in renamed.items() if p.config != "adaptive"}, tmp_path / "w.md")
     assert "÷ write" not in without  # static write is a baseline only beside adaptive
+
+
+def test_report_shows_paired_attainment_differences_from_the_best_plain_configuration(measured):
+    plan, results, runs = measured
+    text = write_report(plan, runs, results.report_path)
+    lines = text.splitlines()
+    start = lines.index("### Attainment minus collocated's, per rate (same requests; paired block bootstrap, 95 % CI)")
+    table = lines[start:start + 6]
+    # round-robin - collocated under blog: 1.0-1.0, 0.8-0.9, 0.2-0.5
+    row = next(line for line in table if line.startswith("| round-robin |"))
+    cells = [c.strip() for c in row.split("|")[2:-1]]
+    assert cells[0].startswith("+0.00 [") and cells[1].startswith("-0.10 [") and cells[2].startswith("-0.30 [")

@@ -1,0 +1,92 @@
+"""What adaptive placement decided at each point: the change of the instances'
+`pdserve:placements_total{placement,reason}` counters over the point (read from each instance's
+/metrics just before and just after it, so the deployment's warm-up is not counted).
+
+    <dir>/placements/<config>/r<rate>_s<seed>.json   {"remote:prefill_idle": 31, "local:local_faster": 9, ...}
+
+Counters count every request of the point, not only the scored ones; plain serving has no
+connector and no decisions, and no row in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from pdserve.launch.samples import parse_samples
+
+METRIC = "pdserve:placements_total"
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+Counts = dict[str, int]  # "placement:reason" -> decisions
+
+
+def read_counts(instance_urls: Sequence[str], timeout_s: float = 10.0) -> Counter[str] | None:
+    """The placement counters summed over ``instance_urls``; None when one cannot be read (the point
+    is then measured without its decisions rather than lost)."""
+    counts: Counter[str] = Counter()
+    for url in instance_urls:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as resp:
+                text = resp.read().decode("utf-8", "replace")
+        except (urllib.error.URLError, OSError):
+            return None
+        counts.update(counts_of(text))
+    return counts
+
+
+def counts_of(metrics_text: str) -> Counter[str]:
+    """``placement:reason`` -> counter value, from one /metrics page."""
+    counts: Counter[str] = Counter()
+    for key, value in parse_samples(metrics_text).items():
+        name, _, labels = key.partition("{")
+        if name != METRIC:
+            continue
+        found = dict(_LABEL.findall(labels))
+        counts[f"{found.get('placement', '?')}:{found.get('reason', '?')}"] += int(value)
+    return counts
+
+
+def difference(before: Mapping[str, int], after: Mapping[str, int]) -> Counts:
+    """Decisions taken between two readings (labels that did not move are left out)."""
+    return {label: n for label in sorted(after) if (n := after[label] - before.get(label, 0)) > 0}
+
+
+def save(path: Path, counts: Counts) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(counts, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def load(path: Path) -> Counts:
+    data = json.loads(path.read_text())
+    return {str(k): int(v) for k, v in data.items()}
+
+
+def section(rows: Sequence[tuple[str, float, Counts]]) -> list[str]:
+    """The report's table: one row per (configuration, rate) with decisions, counts summed over seeds."""
+    rows = [(c, r, counts) for c, r, counts in rows if sum(counts.values()) > 0]
+    if not rows:
+        return []
+    lines = ["## Placement decisions", "",
+             "Decode's `pdserve:placements_total` over each point (every request of the point, not only the "
+             "scored ones), summed over seeds. Remote: prefilled on P; local: prefilled on D in chunks "
+             "(static PD decides `remote:static` every time; requests P serves whole are not decode's "
+             "to place).", "",
+             "| configuration | rate | decided | remote | local | reasons (most frequent first) |",
+             "|---|---|---|---|---|---|"]
+    for config, rate, counts in rows:
+        total = sum(counts.values())
+        by_placement = Counter()
+        for label, n in counts.items():
+            by_placement[label.partition(":")[0]] += n
+        share = lambda p: f"{by_placement[p]} ({by_placement[p] / total:.0%})"  # noqa: E731
+        reasons = ", ".join(f"{label} {n}" for label, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        lines.append(f"| {config} | {rate:g} | {total} | {share('remote')} | {share('local')} | {reasons} |")
+    return lines + [""]
