@@ -36,7 +36,9 @@ Statistics: attainment intervals are Wilson {conf:.0%} intervals of the pooled s
 (scipy.stats.binomtest). Goodput and ratio intervals are {conf:.0%} percentile-bootstrap intervals
 (scipy.stats.bootstrap, {resamples} resamples) over blocks of {block} consecutive scored requests of
 every seed; the same blocks are drawn for every configuration and rate, since every configuration got
-the same request stream, so each ratio's interval is that of a paired comparison.
+the same request stream, so each ratio's interval is that of a paired comparison. The same resamples
+give each per-rate attainment difference ("Attainment minus ...") its interval: it tells two
+configurations apart where their goodputs cannot (both below the lowest rate or above the highest).
 """
 
 
