@@ -49,7 +49,15 @@ def test_quick_bench_calibrates_replays_one_stream_and_reports(tmp_path, tiny_mo
     assert [row["timestamp"] * rates[0] for row in low] == pytest.approx([row["timestamp"] * rates[1] for row in high],
                                                                         abs=1e-4)
 
+    # decode's placement decisions over each point, from its /metrics: every adaptive request placed once,
+    # none for plain serving
+    for rate in rates:
+        decided = json.loads((out / "placements" / "adaptive" / f"r{rate:g}_s1.json").read_text())
+        assert sum(decided.values()) == 12 and all(k.split(":")[0] in ("remote", "local") for k in decided)
+        assert json.loads((out / "placements" / "collocated" / f"r{rate:g}_s1.json").read_text()) == {}
+
     report = (out / "report.md").read_text()
+    assert "## Placement decisions" in report and "| adaptive | " in report.split("## Placement decisions")[1]
     assert "Incomplete" not in report
     assert f"Requests meeting the SLO at {rates[1]:g} req/s" in report
     assert "Machine: " in report and "Scored: the steady window" in report
