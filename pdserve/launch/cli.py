@@ -150,6 +150,7 @@ def run_up(args: argparse.Namespace) -> int:
     if args.detach:
         return _detach(args)
     cluster = None
+    announced = False  # a --detach supervisor told its parent it is healthy: from then on it owns its log
     try:
         cluster = started(options)
         print(f"OpenAI endpoint: {cluster.endpoint}/v1", flush=True)
@@ -157,6 +158,7 @@ def run_up(args: argparse.Namespace) -> int:
             print(line, flush=True)
         if args.ready_file:
             args.ready_file.write_text(f"{cluster.endpoint}\n")
+            announced = True
         print("Ctrl-C to stop", flush=True)
         while cluster.failure is None:  # restarts (--restart on-failure) happen in the cluster's supervisor
             time.sleep(1)
@@ -167,9 +169,10 @@ def run_up(args: argparse.Namespace) -> int:
         if cluster is not None:
             _stop(cluster)
             print("pdserve: stopped", file=sys.stderr, flush=True)
-        if args.ready_file:  # a --detach supervisor: its ready file and log go with it
-            args.ready_file.unlink(missing_ok=True)
-            args.ready_file.with_suffix(".log").unlink(missing_ok=True)
+        if args.ready_file:  # a --detach supervisor: its ready file and log go with it, once it was healthy
+            args.ready_file.unlink(missing_ok=True)  # (before that, the waiting parent reads the log's error)
+            if announced:
+                args.ready_file.with_suffix(".log").unlink(missing_ok=True)
 
 
 def _detach(args: argparse.Namespace) -> int:
@@ -189,7 +192,9 @@ def _detach(args: argparse.Namespace) -> int:
             if child.poll() is None:
                 child.terminate()
                 child.wait(60)
-            lines = [line for line in Path(log_name).read_text().splitlines() if line.startswith("pdserve: error")]
+            log = Path(log_name)
+            text = log.read_text(errors="replace") if log.exists() else ""
+            lines = [line for line in text.splitlines() if line.startswith("pdserve: error")]
             Path(log_name).unlink(missing_ok=True)
             raise LaunchError(lines[-1].removeprefix("pdserve: error: ") if lines else "supervisor did not start")
         time.sleep(0.5)

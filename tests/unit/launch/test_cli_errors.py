@@ -31,11 +31,12 @@ def test_bad_input_gives_one_line_error(args, message):
     assert running_with(18950) == []
 
 
-def test_port_already_taken():
+@pytest.mark.parametrize("detach", [False, True])
+def test_port_already_taken(detach):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 18951))
         sock.listen()
-        result = pdserve("up", "--port", "18951")
+        result = pdserve("up", "--port", "18951", *(["--detach"] if detach else []))
     assert result.returncode == 1
     assert result.stderr.strip() == "pdserve: error: port 18951 already in use on 127.0.0.1 (choose another --port)"
     assert running_with(18951) == []
