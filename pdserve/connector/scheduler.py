@@ -57,7 +57,7 @@ class PDScheduler:
         self._gate = PrefillGate(config.placement.wait_s) if adaptive and config.role is Role.PRODUCER else None
         self._costs = StepCosts()
         self._accepted: dict[str, Any] = {}  # legs D wants prefilled here, until their prompt is computed
-        self._whole: dict[str, Any] = {}  # serve_decode: requests served whole here, until their prompt is computed
+        self._whole: dict[str, Any] = {}  # requests served whole here (not legs), until their prompt is computed
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
         # D, placement
         self._policy = make_policy(config.placement)
@@ -216,9 +216,8 @@ class PDScheduler:
                 params.require_peer()
         except ProtocolError:
             return 0, False  # _track_send names the problem
-        if params is None:  # not a prefill leg: with serve_decode, a request served whole here
-            if self._config.placement.serve_decode:
-                self._whole[rid] = request
+        if params is None:  # not a prefill leg: a request served whole here (serve_decode, or sent to P
+            self._whole[rid] = request  # directly); its prompt is in P's queue like an accepted leg's
             return 0, False
         verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK and addressed_to_self(params, self._config):
@@ -261,7 +260,7 @@ class PDScheduler:
         costs = self._costs.coefficients()
         if costs is None:
             return None
-        queued = uncomputed_prompt_tokens(self._accepted)
+        queued = uncomputed_prompt_tokens(self._accepted) + uncomputed_prompt_tokens(self._whole)
         return PrefillLoad(self._config.host_ip, self._config.handshake_port, queued, costs.per_prefill_token_s,
                            costs.overhead_s, self._step_prefill, time.time())
 

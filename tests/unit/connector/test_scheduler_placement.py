@@ -147,6 +147,20 @@ def test_p_publishes_its_queue_once_it_knows_its_costs():
         (P_ADDRESS.host, P_ADDRESS.handshake_port, 1000, 64)
 
 
+def test_p_counts_the_prompts_it_serves_whole_in_its_published_queue():
+    """A request that is not a leg (served whole, or sent to P directly) takes P's prefill steps
+    like an accepted leg: D's estimate of P's wait must see it."""
+    s = adaptive("kv_producer")
+    plain = FakeRequest("plain", None, 300)
+    assert s.scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
+    for _ in range(10):
+        s.scheduler.build_connector_meta(SchedulerOutput({"other": 64}))
+        s.scheduler.update_connector_output(Output())
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).load.queued_tokens == 300
+    plain.num_computed_tokens = 300
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).load.queued_tokens == 0
+
+
 def _teach_d(s: Scheduler, step_s: float = 0.005) -> None:
     """Ten decode steps of `step_s` each, and a plain 64-token stream that finished."""
     for _ in range(10):
