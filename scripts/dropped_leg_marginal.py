@@ -43,6 +43,7 @@ from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.bench.placements import read_counts  # noqa: E402
 from pdserve.connector.modes import pd_deployment  # noqa: E402
 from pdserve.launch import Cluster, UpOptions  # noqa: E402
 from pdserve.model.build import resolve_model  # noqa: E402
@@ -50,12 +51,12 @@ from pdserve.model.build import resolve_model  # noqa: E402
 ALL_LOCAL = {"placement": "adaptive", "transfer_overhead_ms": 1e5, "itl_target_ms": 1e5, "max_step_ms": 1e5}
 
 
-def metric(url: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def decisions(decode_url: str) -> dict[str, int]:
+    """D's placement decisions so far: {"local": n, "remote": m}."""
+    counts = read_counts([decode_url], timeout_s=30)
+    if counts is None:
+        raise RuntimeError(f"cannot read {decode_url}/metrics")
+    return {where: sum(n for label, n in counts.items() if label.startswith(where + ":")) for where in ("local", "remote")}
 
 
 class Prompts:
@@ -82,8 +83,7 @@ def closed_loop(url: str, model: str, prompts: Prompts, stop_at: float, done: li
 def block(cluster: Cluster, model: str, prompts: Prompts, with_legs: bool, seconds: float, concurrency: int,
           routed_concurrency: int) -> dict:
     p_url, d_url = cluster.instance_urls["prefill"], cluster.instance_urls["decode"]
-    local0 = metric(d_url, "pdserve:placements_total", placement="local")
-    remote0 = metric(d_url, "pdserve:placements_total", placement="remote")
+    before = decisions(d_url)
     start = time.monotonic()
     stop_at = start + seconds
     direct: list[tuple[float, float]] = []
@@ -101,8 +101,7 @@ def block(cluster: Cluster, model: str, prompts: Prompts, with_legs: bool, secon
             "direct_done": sum(1 for t, _ in direct if t <= stop_at),
             "direct_latency_s": statistics.fmean(lat for _, lat in direct) if direct else None,
             "routed_latency_s": statistics.fmean(lat for _, lat in routed) if routed else None,
-            "local": metric(d_url, "pdserve:placements_total", placement="local") - local0,
-            "remote": metric(d_url, "pdserve:placements_total", placement="remote") - remote0}
+            **{where: n - before[where] for where, n in decisions(d_url).items()}}
 
 
 def measure(budget: int, args: argparse.Namespace, port: int) -> dict:
