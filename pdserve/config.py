@@ -157,9 +157,9 @@ def parse_connector_config(
     if proxy_ip and not http_port:
         raise ConfigError("http_port is required when registering with a router (proxy_ip)")
     placement = parse_placement(extra)
-    if placement.adaptive and _bool("read_mode", extra.get("read_mode", False)):
-        raise ConfigError("placement adaptive needs WRITE mode: in READ mode vllm-router sends the decode leg only "
-                          "after the prefill leg returned, so decode cannot decide before prefill runs")
+    if (placement.serve_decode or placement.eager) and _bool("read_mode", extra.get("read_mode", False)):
+        raise ConfigError("serve_decode and eager_prefill are WRITE-mode placement options: in READ mode the prefill "
+                          "instance decides each placement itself when the request arrives")
     return ConnectorConfig(
         role=role,
         mode=TransferMode.READ if _bool("read_mode", extra.get("read_mode", False)) else TransferMode.WRITE,

@@ -5,6 +5,10 @@ true`. The peer's address comes from explicit `remote_host`/`remote_handshake_po
 `remote_notify_port` fields, or else from the `X-Request-ID` that vllm-router sends
 (`___prefill_addr_<zmq>___decode_addr_<zmq>_<hex>`), which vLLM keeps inside its request id.
 Unknown keys (vllm-router adds `remote_dp_size`, `remote_tp_size`, ...) are ignored.
+
+READ mode with adaptive placement: P decides where a prompt is prefilled and says so to D in the
+`placement` key of its response ("remote:prefill_idle", "local:local_faster": a decision's label,
+connector/placement.py). A local one names no blocks: D prefills the prompt itself.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pdserve.config import Role
+from pdserve.connector.placement import Decision, Placement
 from pdserve.control.address import PeerAddress, check_host, parse_request_id
 from pdserve.errors import ProtocolError
 
@@ -32,6 +37,12 @@ class TransferParams:
     remote_block_ids: tuple[int, ...] | None  # READ: P's blocks, sent back by P
     hold_expires_at: float | None  # READ: unix time after which P may free its blocks
     prompt_hash: str | None = None  # READ: digest of the prompt P computed (prompt_digest.py)
+    decision: Decision | None = None  # READ, adaptive placement: where P placed the prompt
+
+    @property
+    def local(self) -> bool:
+        """READ: P left the prompt to D, which prefills it itself (no blocks to read)."""
+        return self.decision is not None and self.decision.placement is Placement.LOCAL
 
     def require_peer(self) -> PeerAddress:
         if self.peer is None:
@@ -107,11 +118,25 @@ def parse_transfer_params(
         raise ProtocolError(f"kv_transfer_params.prompt_hash must be 32 lowercase hex digits, got {prompt_hash!r:.40}")
     return TransferParams(
         prompt_hash=prompt_hash,
+        decision=_decision(raw),
         transfer_id=transfer_id,
         peer=_peer(raw, request_id, role),
         remote_block_ids=block_ids,
         hold_expires_at=float(expires) if expires is not None else None,
     )
+
+
+def _decision(raw: Mapping[str, Any]) -> Decision | None:
+    label = raw.get("placement")
+    if label is None:
+        return None
+    try:
+        if not isinstance(label, str) or len(label) > 64:
+            raise ValueError
+        return Decision.from_label(label)
+    except ValueError:
+        raise ProtocolError(f"kv_transfer_params.placement must be a placement decision such as 'local:local_faster', "
+                            f"got {label!r:.80}") from None
 
 
 def _finite(value: int | float) -> bool:

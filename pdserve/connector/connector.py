@@ -124,6 +124,9 @@ class PDConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request) -> None:
+        self._scheduler.on_new_request(request)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

@@ -33,7 +33,7 @@ from pdserve.connector.placement_inbox import PlacementInbox
 from pdserve.connector.peers import HandshakeResult, Peer, PeerState, PeerTable
 from pdserve.connector.transfer import Side, Transfer, TransferState
 from pdserve.control.address import PeerAddress
-from pdserve.control.messages import PrefillLoad, PrefillStarted, ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
+from pdserve.control.messages import DecodeStatus, PrefillLoad, PrefillStarted, ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
 from pdserve.errors import PDServeError
 from pdserve.transport.base import Direction, Transport, TransferStatus
 
@@ -171,6 +171,13 @@ class TransferEngine:
         for peer in self._peers.ready():
             self._notify(peer.address, load, peer.key)
 
+    def publish_status(self, status: DecodeStatus) -> None:
+        """D, READ: tell every prefill instance we know our side of its placement decisions (rate-limited)."""
+        if not self._placement.publish_due():
+            return
+        for peer in self._peers.ready():
+            self._notify(peer.address, status, peer.key)
+
     def take_news(self) -> WorkerNews | None:
         return self._placement.take()
 
@@ -265,6 +272,10 @@ class TransferEngine:
         if isinstance(message, PrefillLoad):
             if self._config.role is Role.CONSUMER:
                 self._placement.on_load(message)
+            return
+        if isinstance(message, DecodeStatus):
+            if self._config.role is Role.PRODUCER:
+                self._placement.on_status(message)
             return
         if isinstance(message, PrefillStarted):
             if self._config.role is Role.CONSUMER:

@@ -1,4 +1,5 @@
-"""`pdserve up --mode write|read`: P and D with PDConnector behind vllm-router (MoRIIO protocol).
+"""`pdserve up --mode write|read|adaptive|adaptive-read`: P and D with PDConnector behind vllm-router
+(MoRIIO protocol).
 
 xPyD: `--prefill N --decode M` (UpOptions.num_prefill / num_decode, 1 and 1 by default) runs N
 prefill and M decode instances; every one registers with vllm-router's discovery socket, and the
@@ -169,11 +170,29 @@ ADAPTIVE_DECODE_BUDGET = 512
 ADAPTIVE_DECODE_RESERVE = 64
 
 
+# READ mode, where the prefill instance decides: its budget beyond one prompt's chunk (its
+# --long-prefill-token-threshold) is room for the one-token legs of the prompts it left to the decode
+# instance, so they ride beside a started prompt's chunk instead of waiting a step (read_placement.py)
+ADAPTIVE_PREFILL_RESERVE = 16
+
+
 @register("adaptive")
 def adaptive(options: UpOptions) -> Deployment:
     """PD, WRITE mode with per-request placement: decode prefills a prompt itself (chunked) when that is faster."""
+    return _adaptive(options, "write")
+
+
+@register("adaptive-read")
+def adaptive_read(options: UpOptions) -> Deployment:
+    """PD, READ mode with per-request placement: prefill leaves a prompt to decode (chunked) when that is faster."""
+    return _adaptive(options, "read")
+
+
+def _adaptive(options: UpOptions, mode: str) -> Deployment:
     chunk = options.decode_budget or ADAPTIVE_DECODE_BUDGET
-    tuned = dataclasses.replace(options, prefill_budget=options.prefill_budget or ADAPTIVE_PREFILL_BUDGET,
+    prefill = options.prefill_budget or ADAPTIVE_PREFILL_BUDGET
+    reserve = ADAPTIVE_PREFILL_RESERVE if mode == "read" else 0
+    tuned = dataclasses.replace(options, prefill_budget=prefill + reserve, prefill_chunk=prefill if reserve else None,
                                 decode_budget=chunk + ADAPTIVE_DECODE_RESERVE, decode_chunk=chunk)
     extra = {"placement": "adaptive"}
     for key in ("itl_target_ms", "max_step_ms"):
@@ -185,4 +204,4 @@ def adaptive(options: UpOptions) -> Deployment:
         extra["serve_decode"] = True
     if options.eager_prefill:
         extra["eager_prefill"] = True
-    return pd_deployment(tuned, "write", extra)
+    return pd_deployment(tuned, mode, extra)

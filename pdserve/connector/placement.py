@@ -1,7 +1,8 @@
 """Per-request placement: prefill on P and decode on D (remote), or prefill on D itself (local).
 
-Decided by D's scheduler when a request's decode leg first asks for its KV, from the request's
-uncached prompt length and live load: P's published queue (a `PrefillLoad`, sent by P over the
+Decided by D's scheduler when a request's decode leg first asks for its KV (WRITE mode; in READ
+mode by P when the prefill leg arrives, with D's view as D publishes it: read_placement.py), from
+the request's uncached prompt length and live load: P's published queue (a `PrefillLoad`, sent by P over the
 control plane) and D's own running decodes and local prefill backlog (`DecodeView`). Free of vLLM.
 
 While P has nothing queued the prompt goes to P (`prefill_idle`): P starts it at once, and D stays
@@ -80,6 +81,12 @@ class Decision:
     @property
     def label(self) -> str:
         return f"{self.placement.value}:{self.reason.value}"
+
+    @classmethod
+    def from_label(cls, label: str) -> "Decision":
+        """The decision a label names ("local:local_faster"); ValueError for anything else."""
+        placement, _, reason = label.partition(":")
+        return cls(Placement(placement), Reason(reason))
 
 
 @dataclass(frozen=True)
@@ -199,11 +206,13 @@ class DecodeView:
 
 
 class PlacementPolicy(Protocol):
-    def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None) -> Decision: ...
+    def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None,
+               local_delay_s: float = 0.0) -> Decision: ...
 
 
 class StaticPolicy:
-    def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None) -> Decision:
+    def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None,
+               local_delay_s: float = 0.0) -> Decision:
         return Decision(Placement.REMOTE, Reason.STATIC)
 
 
@@ -212,7 +221,10 @@ class AdaptivePolicy:
         self._config = config
         self._clock = clock
 
-    def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None) -> Decision:
+    def decide(self, uncached_tokens: int, view: DecodeView, load: PrefillLoad | None,
+               local_delay_s: float = 0.0) -> Decision:
+        """`local_delay_s`: what a local prefill waits for before D can start it (READ: the dropped
+        leg's one-token step on P, read_placement.py)."""
         if uncached_tokens > self._config.max_local_tokens:
             return Decision(Placement.REMOTE, Reason.LONG_PROMPT)
         local_costs = self.local_costs(view, load)
@@ -224,7 +236,7 @@ class AdaptivePolicy:
         chunk = self.chunk(view, local_costs)
         if chunk < MIN_CHUNK:
             return Decision(Placement.REMOTE, Reason.STEP_GUARD, None, remote)
-        local = self._local_ttft(uncached_tokens, view, local_costs, chunk)
+        local = local_delay_s + self._local_ttft(uncached_tokens, view, local_costs, chunk)
         if local >= remote:
             return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote)
         if math.isfinite(self._config.ttft_target_ms) and remote <= TTFT_HEADROOM * self._config.ttft_target_ms / 1000:

@@ -1,9 +1,10 @@
 """PlacementInbox: the worker half's side of per-request placement.
 
 P: prefill legs waiting for their decode instance's decision, and the decisions that arrived (D's
-RemoteBlocks means "prefill here", D's Release before any send means "D prefills it"). D: the
-latest load each prefill instance published, and the legs they started before D's word. The scheduler half collects both once per step as
-`WorkerNews`. Runs on the worker thread only. Free of vLLM.
+RemoteBlocks means "prefill here", D's Release before any send means "D prefills it"); in READ
+mode, the latest status each decode instance published (P decides there). D: the latest load each
+prefill instance published, and the legs they started before D's word. The scheduler half
+collects them once per step as `WorkerNews`. Runs on the worker thread only. Free of vLLM.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import time
 from collections import OrderedDict
 
 from pdserve.connector.metadata import AwaitSpec, WorkerNews
-from pdserve.control.messages import PrefillLoad
+from pdserve.control.messages import DecodeStatus, PrefillLoad
 
 MAX_AWAITING = 4096
-PUBLISH_EVERY_S = 0.02  # P sends its load to its decode instances at most this often
+PUBLISH_EVERY_S = 0.02  # P sends its load to its decode instances (D, READ: its status to P) at most this often
 
 
 class PlacementInbox:
@@ -45,6 +46,10 @@ class PlacementInbox:
         entry = self._awaiting.pop(transfer_id, None)
         if entry is not None:
             self._news.decided[entry[0]] = prefill_here
+
+    def on_status(self, status: DecodeStatus) -> None:
+        """READ: a decode instance's side of the placements P decides (read_placement.py)."""
+        self._news.statuses[(status.decode_host, status.decode_handshake_port)] = status
 
     def publish_due(self) -> bool:
         now = time.monotonic()

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.decode_load import DecodeLoad, uncomputed_prompt_tokens
+from pdserve.connector.decode_status import status_of
 from pdserve.connector.eager_prefill import EAGER_LABEL, StartedLegs, prefill_idle
 from pdserve.connector.guard import guarded
 from pdserve.connector.leg_truncation import truncate_to_one_token
@@ -22,10 +23,13 @@ from pdserve.connector.local_chunk import MIN_CHUNK, chunk_tokens, threshold
 from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
 from pdserve.connector.placement import AdaptivePolicy, Decision, Placement, Reason, make_policy
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
+from pdserve.connector.placement_inbox import PUBLISH_EVERY_S
 from pdserve.connector.prompt_digest import prompt_digest
+from pdserve.connector.read_placement import ReadPlacement, next_step_seconds, peer_key
 from pdserve.connector.step_costs import StepCosts
 from pdserve.connector.whole_requests import SERVED_WHOLE, addressed_to_self
-from pdserve.control.messages import PrefillLoad
+from pdserve.control.address import PeerAddress
+from pdserve.control.messages import MAX_PREFILL_PEERS, DecodeStatus, PrefillLoad
 from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params
 
@@ -52,15 +56,22 @@ class PDScheduler:
         self._step_prefill = budget  # P: prompt tokens its next step computes at most (published to D)
         self._kv_cache_manager = None
         self._step: tuple[float, int, int] | None = None  # this step's start, prefill tokens, decodes
-        # P, adaptive placement
+        # P, adaptive placement: WRITE, D decides and P's legs wait for its word; READ, P decides
         adaptive = config.placement.adaptive
-        self._gate = PrefillGate(config.placement.wait_s) if adaptive and config.role is Role.PRODUCER else None
+        producer = adaptive and config.role is Role.PRODUCER
+        write = config.mode is TransferMode.WRITE
+        self._policy = make_policy(config.placement)
+        self._gate = PrefillGate(config.placement.wait_s) if producer and write else None
+        self._read = (ReadPlacement(self._policy, peer_key(config.host_ip, config.handshake_port))
+                      if producer and not write else None)
         self._costs = StepCosts()
         self._accepted: dict[str, Any] = {}  # legs D wants prefilled here, until their prompt is computed
         self._whole: dict[str, Any] = {}  # requests served whole here (not legs), until their prompt is computed
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
         # D, placement
-        self._policy = make_policy(config.placement)
+        self._publishes_status = adaptive and config.role is Role.CONSUMER and not write
+        self._next_status = 0.0
+        self._placed_local: dict[str, int] = {}  # READ: per prefill instance, the prompts it left us that we took
         self._decode_load = DecodeLoad(budget, config.placement.stream_itl_s, chunk=chunk)
         self._decisions: dict[str, Decision] = {}
         self._started = StartedLegs(config.defer_timeout)  # transfers P started before our word
@@ -92,8 +103,12 @@ class PDScheduler:
             self._emit_due_sends(scheduler_output.num_scheduled_tokens)
         self._start_step(scheduler_output.num_scheduled_tokens)
         self._apply_chunk(scheduler_output.num_scheduled_tokens)
-        if self._gate is not None:
+        if self._gate is not None or self._read is not None:
             self._meta.load = self._prefill_load()
+        if self._read is not None:
+            self._read.end_pass()
+        if self._publishes_status:
+            self._meta.status = self._decode_status()
         meta, self._meta = self._meta, StepPlan()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
@@ -111,6 +126,8 @@ class PDScheduler:
             if self._gate is not None:
                 self._gate.on_decisions(self._shrink_dropped(news.decided))
             self._decode_load.on_loads(news.loads)
+            if news.statuses and self._read is not None:
+                self._read.on_statuses(news.statuses)
             if news.started:
                 self._started.add(news.started)
 
@@ -155,6 +172,12 @@ class PDScheduler:
                 self._decode_load.on_step(took, decodes, prefill)
             self._step = None
 
+    @guarded()
+    def on_new_request(self, request) -> None:
+        """vLLM added a request to its waiting queue. P, READ, adaptive: place its prompt now."""
+        if self._read is not None:
+            self._place_read_leg(request)
+
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._meta.cancels or self._meta.holds)
 
@@ -162,6 +185,8 @@ class PDScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if self._config.role is Role.PRODUCER:
+            if self._read is not None:
+                return (0, False) if self._read.admit(rid) else (None, False)
             return self._gate_prefill(request, num_computed_tokens)
         if rid in self._receiving or rid in self._cancelled:
             return 0, False
@@ -172,7 +197,9 @@ class PDScheduler:
         if count <= 0:
             return 0, False
         if isinstance(params, TransferParams):
-            if params.transfer_id in self._started and isinstance(self._policy, AdaptivePolicy):
+            if self._config.mode is TransferMode.READ:  # P placed it (read_placement.py)
+                decision = params.decision or Decision(Placement.REMOTE, Reason.STATIC)
+            elif params.transfer_id in self._started and isinstance(self._policy, AdaptivePolicy):
                 decision = Decision(Placement.REMOTE, Reason.PREFILL_STARTED)
             else:
                 decision = self._policy.decide(count, self._decode_load.view(params.peer),
@@ -185,6 +212,8 @@ class PDScheduler:
     @guarded()
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self._config.role is Role.PRODUCER:
+            if self._read is not None:
+                self._read.admitted(request.request_id)
             if self._gate is not None and self._gate.dropped(request.request_id):
                 return  # a one-token leg: nothing to send
             self._track_send(request)
@@ -244,6 +273,30 @@ class PDScheduler:
         if verdict is Verdict.PREFILL:
             self._accepted[rid] = request
         return 0, False
+
+    def _place_read_leg(self, request) -> None:
+        """READ: decide where this leg's prompt is prefilled (read_placement.py). One left to D is cut
+        to its first token now, while nothing of it is computed or allocated."""
+        rid = request.request_id
+        try:
+            params = parse_transfer_params(request.kv_transfer_params, rid, Role.PRODUCER)
+            peer = params.require_peer() if params is not None else None
+        except ProtocolError:
+            return  # _finish_read_send names the problem
+        if params is None or addressed_to_self(params, self._config):
+            self._whole[rid] = request  # served whole here: its prompt is in P's queue
+            return
+        # P's prefix-cache hits are looked up only when vLLM schedules the leg: the whole prompt counts
+        tokens = request.num_prompt_tokens
+        load = self._prefill_load()
+        started = sum(r.num_prompt_tokens - r.num_computed_tokens
+                      for r in (*self._accepted.values(), *self._whole.values()) if r.num_computed_tokens > 0)
+        decision = self._read.decide(tokens, peer, load, next_step_seconds(load, started))
+        if decision.placement is Placement.LOCAL and not truncate_to_one_token(request):
+            decision = Decision(Placement.REMOTE, decision.reason)
+        self._read.placed(rid, peer, decision, tokens)
+        if decision.placement is Placement.REMOTE:
+            self._accepted[rid] = request
 
     def _shrink_dropped(self, decided: dict[str, bool]) -> dict[str, bool]:
         """D's decisions for waiting legs; a leg D prefills itself is cut to one token now, between
@@ -329,11 +382,24 @@ class PDScheduler:
 
     def _finish_read_send(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._accepted.pop(rid, None)
+        self._whole.pop(rid, None)
+        decision = self._read.finished(rid) if self._read is not None else None
         try:
             params = parse_transfer_params(request.kv_transfer_params, rid, Role.PRODUCER)
         except ProtocolError as exc:
             logger.error("pdserve: request %s: bad kv_transfer_params, not holding its KV: %s", rid, exc)
             return False, None
+        address = {"remote_engine_id": self._config.engine_id, "remote_host": self._config.host_ip,
+                   "remote_handshake_port": self._config.handshake_port,
+                   "remote_notify_port": self._config.notify_port}
+        placement = {"placement": decision.label} if decision is not None else {}
+        if decision is not None and decision.placement is Placement.LOCAL:
+            if params is None or not _prefill_complete(request):
+                return False, None
+            # a one-token leg: nothing is held; D prefills the prompt itself
+            return False, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": params.transfer_id,
+                           **address, **placement}
         num_blocks = self._num_prompt_blocks(request)
         if params is None or len(block_ids) < num_blocks or not _prefill_complete(request):
             return False, None
@@ -346,13 +412,11 @@ class PDScheduler:
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "transfer_id": params.transfer_id,
-            "remote_engine_id": self._config.engine_id,
+            **address,
             "remote_block_ids": list(block_ids),
-            "remote_host": self._config.host_ip,
-            "remote_handshake_port": self._config.handshake_port,
-            "remote_notify_port": self._config.notify_port,
             "hold_expires_at": expires_at,
             "prompt_hash": digest,
+            **placement,
         }
 
     # ---- D ---------------------------------------------------------------------------------
@@ -367,6 +431,8 @@ class PDScheduler:
             return
         self._meta.placements.append(decision.label)
         self._log_placement(decision, params)
+        if params.local:
+            self._count_placed_local(params.peer)
         if num_external_tokens == 0:
             self._decode_load.add_local(request)
         else:
@@ -379,7 +445,7 @@ class PDScheduler:
                 params = parse_transfer_params(request.kv_transfer_params, rid, Role.CONSUMER)
                 if params is not None:
                     params.require_peer()
-                    if self._config.mode is TransferMode.READ:
+                    if self._config.mode is TransferMode.READ and not params.local:
                         self._check_read_params(request, params)
             except ProtocolError as exc:
                 params = exc
@@ -405,7 +471,10 @@ class PDScheduler:
         if params is None or rid in self._receiving or rid in self._cancelled:
             return
         if num_external_tokens == 0:
-            self._cancel_recv(rid, "decode computes this prompt itself")
+            if isinstance(params, TransferParams) and params.local:
+                self._cancelled.add(rid)  # P holds nothing of it: nothing to release
+            else:
+                self._cancel_recv(rid, "decode computes this prompt itself")
             return
         block_ids = blocks.get_block_ids()[0][: self._num_prompt_blocks(request)]
         first_block = (request.num_prompt_tokens - num_external_tokens) // self._block_size
@@ -425,6 +494,23 @@ class PDScheduler:
         self._cancelled.add(rid)
         if isinstance(params, TransferParams):
             self._meta.cancels.append(CancelSpec(params.transfer_id, params.peer, reason))
+
+    def _count_placed_local(self, prefill: PeerAddress) -> None:
+        """READ: one more prompt `prefill` left to us taken in (read_placement.py counts the rest as
+        on their way); the least recently counted instance is forgotten beyond MAX_PREFILL_PEERS."""
+        key = peer_key(prefill.host, prefill.handshake_port)
+        self._placed_local[key] = self._placed_local.pop(key, 0) + 1
+        while len(self._placed_local) > MAX_PREFILL_PEERS:
+            del self._placed_local[next(iter(self._placed_local))]
+
+    def _decode_status(self) -> DecodeStatus | None:
+        """READ: our side of P's placement decisions, every PUBLISH_EVERY_S (decode_status.py)."""
+        now = time.monotonic()
+        if now < self._next_status:
+            return None
+        self._next_status = now + PUBLISH_EVERY_S
+        return status_of(self._decode_load.view(None), self._config.host_ip, self._config.handshake_port,
+                         time.time(), self._placed_local)
 
     def _log_placement(self, decision: Decision, params: TransferParams) -> None:
         """Every PLACEMENT_LOG_EVERY_S: the decision just taken and what it was based on."""

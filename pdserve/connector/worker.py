@@ -27,8 +27,8 @@ from pdserve.connector.peers import HandshakeResult
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
 from pdserve.control.endpoint import Client, Server
-from pdserve.control.messages import (HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong, PrefillLoad,
-                                      ReadAck, ReadDone, Release, RemoteBlocks, WriteDone)
+from pdserve.control.messages import (DecodeStatus, HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong,
+                                      PrefillLoad, PrefillStarted, ReadAck, ReadDone, Release, RemoteBlocks, WriteDone)
 from pdserve.control.secret import load_secret
 from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
 from pdserve.faults import FaultPlan
@@ -43,7 +43,8 @@ from pdserve.transport.shm_tensor import move_tensors_to_shared_memory
 logger = logging.getLogger("pdserve.connector")
 
 IDLE_WAIT_S = 0.002  # an empty engine step waits this long for transfer progress
-TRANSFER_MESSAGES = (RemoteBlocks, WriteDone, Release, ReadDone, ReadAck, PrefillLoad)
+# what the engine handles (every message but the handshake's and the liveness ping's)
+TRANSFER_MESSAGES = (RemoteBlocks, WriteDone, Release, ReadDone, ReadAck, PrefillLoad, PrefillStarted, DecodeStatus)
 
 
 class PDWorker:
@@ -207,6 +208,8 @@ class PDWorker:
             engine.publish_load(meta.load)
             if not self._prefill_queue or self._prefill_queue[-1] != meta.load.queued_tokens:
                 self._prefill_queue.append(meta.load.queued_tokens)
+        if meta.status is not None:
+            engine.publish_status(meta.status)
         self._placements.extend(meta.placements)
         self._step_sends = bool(meta.sends)
         self._idle = meta.idle

@@ -59,6 +59,7 @@ MAX_IDENTITY = 256  # an incarnation identity: the codec's limit for senders and
 _DIGEST = re.compile(r"[0-9a-f]{32}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PROC_FD = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,9}")
+MAX_PREFILL_PEERS = 256  # prefill instances a DecodeStatus reports on
 MAX_NIXL_METADATA = 256 * 1024  # a NIXL agent's metadata: ~0.5 KiB per registered region
 
 
@@ -297,3 +298,49 @@ class PrefillLoad:
             value = getattr(self, name)
             _check(math.isfinite(value) and 0 <= value < 60, type(self), f"{name} {value} is not a cost in seconds")
         _check(math.isfinite(self.at), type(self), "at must be a finite unix time")
+
+
+@message("decode_status")
+@dataclass(frozen=True)
+class DecodeStatus:
+    """D -> P (adaptive placement, READ mode, where P decides): D's side of a placement decision,
+    measured at unix time `at` (connector/decode_status.py). `decode_host`:`decode_handshake_port`
+    names the D (as the router's request id does). Costs are None until D has measured them."""
+
+    decode_host: str
+    decode_handshake_port: int
+    running_decodes: int
+    local_backlog_tokens: int
+    budget: int
+    chunk: int
+    knows_prefill: bool
+    stream_tokens: float
+    at: float
+    placed_local: dict[str, int] = dataclasses.field(default_factory=dict)  # "P host:port" -> its local legs D placed
+    overhead_s: float | None = None
+    per_token_s: float | None = None
+    per_decode_s: float | None = None
+    recent_itl_s: float | None = None
+    prefill_token_s: float | None = None
+
+    def validate(self) -> None:
+        _check(0 < len(self.decode_host) <= 255, type(self), "decode_host must be a host name")
+        _check(0 < self.decode_handshake_port < 65536, type(self), "decode_handshake_port is not a port")
+        for name in ("running_decodes", "local_backlog_tokens", "chunk"):
+            value = getattr(self, name)
+            _check(0 <= value < 1 << 40, type(self), f"{name} {value} out of range")
+        _check(0 < self.budget < 1 << 30, type(self), f"budget {self.budget} out of range")
+        _check(math.isfinite(self.stream_tokens) and 0 <= self.stream_tokens < 1 << 30, type(self),
+               f"stream_tokens {self.stream_tokens} out of range")
+        _check(math.isfinite(self.at), type(self), "at must be a finite unix time")
+        _check(len(self.placed_local) <= MAX_PREFILL_PEERS, type(self),
+               f"placed_local names {len(self.placed_local)} prefill instances (max {MAX_PREFILL_PEERS})")
+        _check(all(0 < len(k) <= 300 and 0 <= v < 1 << 62 for k, v in self.placed_local.items()), type(self),
+               "placed_local maps 'host:port' to a count")
+        costs = (self.overhead_s, self.per_token_s, self.per_decode_s)
+        _check(all(c is None for c in costs) or all(c is not None for c in costs), type(self),
+               "overhead_s, per_token_s and per_decode_s are given together or not at all")
+        for name in ("overhead_s", "per_token_s", "per_decode_s", "recent_itl_s", "prefill_token_s"):
+            value = getattr(self, name)
+            _check(value is None or math.isfinite(value) and -60 < value < 60, type(self),
+                   f"{name} {value} is not a cost in seconds")

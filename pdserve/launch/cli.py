@@ -65,13 +65,13 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
                         "placement, the most prompt tokens decode prefills itself in one step (default 512; "
                         "fewer while it decodes, see --max-step-ms)")
     p.add_argument("--itl-target-ms", type=float, metavar="MS",
-                   help="adaptive mode: decode prefills a prompt itself only while its running streams keep "
+                   help="adaptive modes: decode prefills a prompt itself only while its running streams keep "
                         "their mean inter-token latency under this (default 50)")
     p.add_argument("--max-step-ms", type=float, metavar="MS",
-                   help="adaptive mode: while decode has streams running, it prefills in chunks no step of "
+                   help="adaptive modes: while decode has streams running, it prefills in chunks no step of "
                         "which takes longer than this, the largest gap a stream then sees (default 50)")
     p.add_argument("--slo", metavar="SLO",
-                   help="adaptive mode: the SLO the deployment serves, e.g. 'ttft<500,mean_itl<40' or "
+                   help="adaptive modes: the SLO the deployment serves, e.g. 'ttft<500,mean_itl<40' or "
                         "'ttft<1000,max_gap<50' (the bench's syntax): decode keeps its streams' mean ITL under "
                         "the mean_itl bound and bounds its steps by max_gap, or not at all without one "
                         "(instead of --itl-target-ms / --max-step-ms)")

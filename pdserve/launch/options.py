@@ -15,6 +15,7 @@ GIB = 1 << 30
 DEFAULT_PORT = 18000
 DEFAULT_DRAIN_TIMEOUT = 30.0
 MAX_INSTANCES_PER_ROLE = 16
+ADAPTIVE_MODES = ("adaptive", "adaptive-read")  # the modes with per-request placement
 RestartPolicy = Literal["on-failure", "never"]
 RESTART_POLICIES: tuple[str, ...] = get_args(RestartPolicy)
 
@@ -58,6 +59,7 @@ class UpOptions:
     prefill_budget: int | None = None  # --max-num-batched-tokens of prefill instances (None: vLLM's default)
     decode_budget: int | None = None  # ... of decode instances
     decode_chunk: int | None = None  # --long-prefill-token-threshold of decode instances: one prompt's tokens a step
+    prefill_chunk: int | None = None  # ... of prefill instances
     itl_target_ms: float | None = None  # adaptive placement: decode prefills locally only within this mean ITL
     max_step_ms: float | None = None  # ... and while one chunk step takes no longer than this
     slo: str | None = None  # adaptive placement: the declared SLO, instead of the two above (connector/slo_targets.py)
@@ -80,13 +82,13 @@ class UpOptions:
             if not 1 <= count <= MAX_INSTANCES_PER_ROLE:
                 raise ConfigError(f"{count} {name} instances: give 1..{MAX_INSTANCES_PER_ROLE}")
         for name, budget in (("prefill", self.prefill_budget), ("decode", self.decode_budget),
-                             ("decode chunk", self.decode_chunk)):
+                             ("decode chunk", self.decode_chunk), ("prefill chunk", self.prefill_chunk)):
             if budget is not None and not 16 <= budget <= 1 << 20:
                 raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
         if self.serve_decode and self.mode != "adaptive":
-            raise ConfigError(f"the prefill instance serves whole requests only in adaptive mode, not {self.mode}")
+            raise ConfigError(f"the prefill instance serves whole requests only in adaptive mode (WRITE), not {self.mode}")
         if self.eager_prefill and self.mode != "adaptive":
-            raise ConfigError(f"eager prefill is a placement option of adaptive mode, not {self.mode}")
+            raise ConfigError(f"eager prefill is a placement option of adaptive mode (WRITE), not {self.mode}")
         if self.serve_decode and self.num_prefill != 1:
             raise ConfigError(f"a prefill instance serves whole requests only when it is the only one: the router "
                               f"pairs a request's legs across instances ({self.num_prefill} prefill instances given)")
@@ -97,8 +99,9 @@ class UpOptions:
                 raise ConfigError(f"{name} {ms} ms is not a positive number of milliseconds")
 
     def _check_slo(self) -> None:
-        if self.mode != "adaptive":
-            raise ConfigError(f"--slo is what adaptive placement protects: adaptive mode only, not {self.mode}")
+        if self.mode not in ADAPTIVE_MODES:
+            raise ConfigError(f"--slo is what adaptive placement protects: {' or '.join(ADAPTIVE_MODES)} mode only, "
+                              f"not {self.mode}")
         if self.itl_target_ms is not None or self.max_step_ms is not None:
             raise ConfigError("give --slo or --itl-target-ms / --max-step-ms, not both: the SLO sets them")
         SLO.parse(self.slo)  # a clear error here rather than from every instance
@@ -108,8 +111,9 @@ class UpOptions:
         instance of `role` (prefill|decode|both), where set."""
         budget = {"prefill": self.prefill_budget, "decode": self.decode_budget}.get(role)
         args = () if budget is None else ("--max-num-batched-tokens", str(budget))
-        if role == "decode" and self.decode_chunk is not None:
-            args += ("--long-prefill-token-threshold", str(self.decode_chunk))
+        chunk = {"prefill": self.prefill_chunk, "decode": self.decode_chunk}.get(role)
+        if chunk is not None:
+            args += ("--long-prefill-token-threshold", str(chunk))
         return args
 
     def vllm_args(self) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
-"""Adaptive placement through vllm-router, real vLLM (WRITE mode): each request is prefilled on P
-(KV moved) or by D itself, decided per request; every answer equals collocated serving, P never
-runs a prompt D took, and nothing is held or leaked afterwards."""
+"""Adaptive placement through vllm-router, real vLLM, in both modes: each request is prefilled on P
+(KV moved) or by D itself, decided per request (WRITE: by D when its decode leg arrives; READ: by
+P when the prefill leg arrives); every answer equals collocated serving, P never runs a prompt D
+took, and nothing is held or leaked afterwards."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ def reference(greedy_reference):
     return collocated_reference(greedy_reference, "pd40", PROMPTS)
 
 
-@pytest.fixture(scope="module")
-def adaptive(reference):
-    with pd_pair("write", 32100, **ADAPTIVE) as cluster:
+@pytest.fixture(scope="module", params=["write", "read"])
+def adaptive(request, reference):
+    with pd_pair(request.param, {"write": 32100, "read": 32300}[request.param], **ADAPTIVE) as cluster:
         yield cluster
 
 
@@ -37,7 +38,7 @@ def test_adaptive_output_equals_collocated_with_both_placements(adaptive, refere
     before = snapshot(adaptive)
     output = greedy(adaptive.endpoint, adaptive, PROMPTS)
     result = compare_greedy(reference, output)
-    print("adaptive", result.summary())
+    print(f"adaptive ({adaptive.mode})", result.summary())
     assert result.ok, result.mismatches()
 
     after = snapshot(adaptive)

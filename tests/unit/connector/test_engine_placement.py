@@ -1,5 +1,6 @@
 """TransferEngine under adaptive placement, two real engines: P learns D's decision from D's
-RemoteBlocks or Release (before or after its leg appears), and P's load reaches D."""
+RemoteBlocks or Release (before or after its leg appears), and P's load reaches D; in READ mode,
+D's status reaches P."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import time
 
 from pdserve.config import TransferMode
 from pdserve.connector.metadata import AwaitSpec, CancelSpec
-from pdserve.control.messages import PrefillLoad
+from pdserve.connector.decode_status import status_of
+from pdserve.connector.placement import DecodeView
+from pdserve.control.messages import DecodeStatus, PrefillLoad
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, Pair
 from tests.unit.connector.test_engine_write import recv_spec
 
@@ -70,6 +73,25 @@ def test_p_load_reaches_d_rate_limited():
         assert len(sent) == 1
 
 
+def test_read_d_status_reaches_p_rate_limited():
+    with Pair(TransferMode.READ) as pair:
+        pair.d.engine._peers.lookup(P_ADDRESS)  # D meets P when it first reads from it
+        pair.pump_until(lambda: pair.d.engine._peers.ready())
+        status = status_of(DecodeView(2, 300, 0, 576, None, False), D_ADDRESS.host, D_ADDRESS.handshake_port,
+                           time.time(), {"127.0.0.1:6301": 5})
+        pair.d.engine.publish_status(status)
+        pair.d.engine.publish_status(status)  # within 20 ms: not sent again
+        got = {}
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            pair.pump()
+            out = pair.p.engine.take_news()
+            got = dict(out.statuses) if out else {}
+        assert got == {(D_ADDRESS.host, D_ADDRESS.handshake_port): status}
+        assert len([s for s in pair.d.notifier.sent if isinstance(s.message, DecodeStatus)]) == 1
+        assert pair.d.engine.take_news() is None  # a status is P's news, not D's
+
+
 def test_an_eager_start_reaches_d_even_before_the_handshake():
     with Pair(WRITE) as pair:
         pair.p.engine.announce_start(AwaitSpec("leg", "t-eager", D_ADDRESS))  # P has not met D yet
@@ -81,3 +103,13 @@ def test_an_eager_start_reaches_d_even_before_the_handshake():
             started |= out.started if out else set()
         assert started == {"t-eager"}
         assert pair.d.engine._transfers == {}  # a word for the placement only: no transfer is started
+
+
+def test_the_worker_hands_the_engine_every_message_but_the_handshake_and_ping():
+    """A message type the worker's server does not pass on is dropped with a warning in a real
+    deployment, whatever the engine would do with it (the engine tests above bypass the server)."""
+    from pdserve.connector.worker import TRANSFER_MESSAGES
+    from pdserve.control.messages import (MESSAGE_TYPES, HandshakeRefused, HandshakeReply, HandshakeRequest, Ping,
+                                          Pong)
+    conversation = {HandshakeRequest, HandshakeReply, HandshakeRefused, Ping, Pong}
+    assert set(TRANSFER_MESSAGES) == set(MESSAGE_TYPES.values()) - conversation

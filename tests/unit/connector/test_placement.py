@@ -254,8 +254,12 @@ def test_placement_config_is_parsed_once_with_clear_errors():
         parse_placement({"eager_prefill": True})
     with pytest.raises(ConfigError, match="eager_prefill must be true or false, got 'yes'"):
         parse_placement({"eager_prefill": "yes"})
-    with pytest.raises(ConfigError, match="needs WRITE mode"):
-        parse_connector_config("kv_consumer", {"secret_file": "x", "placement": "adaptive", "read_mode": True})
+    read = parse_connector_config("kv_consumer", {"secret_file": "x", "placement": "adaptive", "read_mode": True})
+    assert read.placement.adaptive and read.mode.value == "READ"
+    for flag in ("serve_decode", "eager_prefill"):
+        with pytest.raises(ConfigError, match="WRITE-mode placement options"):
+            parse_connector_config("kv_producer", {"secret_file": "x", "placement": "adaptive", "read_mode": True,
+                                                   flag: True})
 
 
 def test_started_legs_expire_and_stay_bounded():

@@ -34,6 +34,17 @@ SAMPLES = {
     "overhead_s": 0.008,
     "budget": 512,
     "at": 1.0,
+    "decode_host": "127.0.0.1",
+    "decode_handshake_port": 6302,
+    "running_decodes": 3,
+    "local_backlog_tokens": 256,
+    "chunk": 512,
+    "knows_prefill": True,
+    "stream_tokens": 128.0,
+    "per_decode_s": 0.001,
+    "recent_itl_s": 0.02,
+    "prefill_token_s": 0.0006,
+    "placed_local": {"127.0.0.1:6301": 7},
 }
 
 

@@ -135,6 +135,22 @@ def test_adaptive_is_write_with_the_placement_bounds_given_to_pdserve_up():
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["eager_prefill"] is True
 
 
+def test_adaptive_read_is_read_with_room_on_p_for_the_legs_it_leaves_to_d():
+    import json
+    d = plan(UpOptions(mode="adaptive-read", model="/m", port=18500, cores=(0, 1), slo="ttft<1000,mean_itl<50"))
+    for inst in d.instances:
+        argv = inst.process_spec(Path("/r")).argv
+        extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        assert (extra["placement"], extra["read_mode"], extra["slo"]) == ("adaptive", True, "ttft<1000,mean_itl<50")
+    prefill, decode = (" ".join(vllm_argv(i.process_spec(Path("/r")).argv)) for i in d.instances)
+    # P: one 512-token chunk a step and room beside it for one-token legs (read_placement.py)
+    assert "--max-num-batched-tokens 528 --long-prefill-token-threshold 512" in prefill
+    assert "--max-num-batched-tokens 576 --long-prefill-token-threshold 512" in decode
+    for flag in ("serve_decode", "eager_prefill"):
+        with pytest.raises(ConfigError, match="adaptive mode \\(WRITE\\), not adaptive-read"):
+            UpOptions(mode="adaptive-read", **{flag: True})
+
+
 def test_adaptive_can_declare_the_slo_it_serves():
     import json
     from pdserve.launch.cli import options_from
@@ -144,7 +160,7 @@ def test_adaptive_can_declare_the_slo_it_serves():
         argv = inst.process_spec(Path("/r")).argv
         extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
         assert extra["slo"] == "ttft<500,mean_itl<40" and "max_step_ms" not in extra and "itl_target_ms" not in extra
-    with pytest.raises(ConfigError, match="adaptive mode only, not write"):
+    with pytest.raises(ConfigError, match="adaptive or adaptive-read mode only, not write"):
         UpOptions(mode="write", slo="ttft<500")
     with pytest.raises(ConfigError, match="give --slo or --itl-target-ms / --max-step-ms, not both"):
         UpOptions(mode="adaptive", slo="ttft<500", max_step_ms=50)

@@ -1,0 +1,37 @@
+"""D's side of a placement decision, on the wire: a `DecodeView` as a `DecodeStatus` and back.
+
+In READ mode vllm-router sends a request's decode leg only after its prefill leg returned, so P
+decides placement (read_placement.py) and D publishes its view to P, as P publishes its queue to
+D in WRITE mode. Free of vLLM.
+"""
+
+from __future__ import annotations
+
+from pdserve.connector.placement import DecodeView
+from pdserve.connector.step_costs import Coefficients
+from pdserve.control.messages import DecodeStatus
+
+
+def status_of(view: DecodeView, host: str, handshake_port: int, at: float,
+              placed_local: dict[str, int]) -> DecodeStatus:
+    """`placed_local`: per prefill instance ("host:port"), how many prompts it left to D that D
+    has taken in (read_placement.py counts the rest as on their way)."""
+    costs = view.costs
+    return DecodeStatus(
+        host, handshake_port, view.running_decodes, view.local_backlog_tokens, view.budget, view.chunk,
+        view.knows_prefill, view.stream_tokens, at, dict(placed_local),
+        overhead_s=costs.overhead_s if costs else None,
+        per_token_s=costs.per_prefill_token_s if costs else None,
+        per_decode_s=costs.per_decode_s if costs else None,
+        recent_itl_s=view.recent_itl_s, prefill_token_s=view.prefill_token_s)
+
+
+def view_of(status: DecodeStatus, sent_local_tokens: int = 0) -> DecodeView:
+    """The view P decides with: D's, plus `sent_local_tokens` P told D to prefill itself after D
+    measured it. P's own queue is in P's load, so nothing is outstanding on D's side."""
+    costs = None
+    if status.overhead_s is not None:
+        costs = Coefficients(status.overhead_s, status.per_token_s, status.per_decode_s)
+    return DecodeView(status.running_decodes, status.local_backlog_tokens + sent_local_tokens, 0, status.budget,
+                      costs, status.knows_prefill, status.recent_itl_s, status.stream_tokens, status.chunk,
+                      status.prefill_token_s)
