@@ -24,7 +24,12 @@ pairs (scipy.stats).
 Everything else on the machine also runs on P's core (router, front, this client), so their
 share of the B traffic is charged to the leg: the figure is an upper bound of P's own cost.
 
+`--mode read` measures adaptive placement in READ mode, where P decides and a leg it leaves to D
+jumps its queue (read_placement.py); its budget as shipped is 528 (a 512-token chunk plus 16).
+
     .venv/bin/python scripts/dropped_leg_marginal.py --model small --pairs 6 --out benchmarks/adaptive/dropped-leg-marginal.json
+    .venv/bin/python scripts/dropped_leg_marginal.py --mode read --budgets 528 --model small --pairs 6 \
+        --out benchmarks/adaptive/dropped-leg-marginal-read.json
 """
 
 from __future__ import annotations
@@ -106,9 +111,9 @@ def block(cluster: Cluster, model: str, prompts: Prompts, with_legs: bool, secon
 
 def measure(budget: int, args: argparse.Namespace, port: int) -> dict:
     extra_args = ("--long-prefill-token-threshold", str(args.isl)) if budget > args.isl else ()
-    options = UpOptions(mode="write", model=str(resolve_model(args.model)), port=port, prefill_budget=budget,
+    options = UpOptions(mode=args.mode, model=str(resolve_model(args.model)), port=port, prefill_budget=budget,
                         decode_budget=64, prefix_caching=False, enforce_eager=True, extra_vllm_args=extra_args)
-    cluster = Cluster(pd_deployment(options, "write", ALL_LOCAL))
+    cluster = Cluster(pd_deployment(options, args.mode, ALL_LOCAL))
     cluster.start()
     try:
         cluster.wait_healthy(900)
@@ -150,6 +155,7 @@ def measure(budget: int, args: argparse.Namespace, port: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small")
+    ap.add_argument("--mode", choices=("write", "read"), default="write", help="the transfer mode of the adaptive deployment")
     ap.add_argument("--isl", type=int, default=512)
     ap.add_argument("--budgets", default="512,520", help="P's --max-num-batched-tokens, one deployment each; "
                     "above --isl, P's --long-prefill-token-threshold is --isl (the rest is a reserve legs fit in)")
@@ -163,7 +169,7 @@ def main() -> None:
     args = ap.parse_args()
     cpu = Path("/proc/cpuinfo").read_text().split("model name")[1].split(":")[1].splitlines()[0].strip()
     rows = [measure(int(b), args, args.port + 20 * i) for i, b in enumerate(args.budgets.split(","))]
-    print(f"model {args.model}, ISL {args.isl}, {args.pairs} pairs of {args.block_s:g} s blocks, "
+    print(f"{args.mode} mode, model {args.model}, ISL {args.isl}, {args.pairs} pairs of {args.block_s:g} s blocks, "
           f"{args.concurrency} direct clients, CPU: {cpu}")
     for row in rows:
         lo, hi = row["ratio_ci95"]

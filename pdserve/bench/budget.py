@@ -8,7 +8,8 @@ adaptive budget (``512/64+serve``) also lets the prefill instance serve whole re
 ``+eager`` lets an idle prefill instance start a leg before decode's word (``--eager-prefill``). ``write-two-host`` and
 ``read-two-host`` are write and read with P and D in two network namespaces: budgeted the same way.
 ``adaptive@NAME`` is adaptive declaring the plan's SLO ``NAME`` (``pdserve up --slo``): budgeted,
-and tuned, as adaptive.
+and tuned, as adaptive. ``adaptive-read`` is adaptive placement in READ mode, budgeted the same way
+(``adaptive-read@NAME`` declares an SLO too); ``+serve`` and ``+eager`` are WRITE-only.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ EAGER_SUFFIX = "+eager"
 PLAIN_CONFIGS = ("collocated", "round-robin", "chunked")  # every instance prefills and decodes
 TWO_HOST_SUFFIX = "-two-host"
 TWO_HOST_CONFIGS = ("write" + TWO_HOST_SUFFIX, "read" + TWO_HOST_SUFFIX)  # P and D in two network namespaces
-PD_CONFIGS = ("write", "read", "nixl", "adaptive", *TWO_HOST_CONFIGS)  # a prefill instance and a decode instance
+# adaptive placement, and the static disaggregation each is also compared with (report.py)
+STATIC_OF_ADAPTIVE = {"adaptive": "write", "adaptive-read": "read"}
+ADAPTIVE_CONFIGS = tuple(STATIC_OF_ADAPTIVE)
+PD_CONFIGS = ("write", "read", "nixl", *ADAPTIVE_CONFIGS, *TWO_HOST_CONFIGS)  # a prefill instance and a decode instance
 SLO_SEPARATOR = "@"  # adaptive@tight: adaptive placement declaring the plan's SLO `tight`
 
 

@@ -11,11 +11,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.budget import SLO_SEPARATOR, TWO_HOST_CONFIGS, Budget, base_config, declared_slo
+from pdserve.bench.budget import (ADAPTIVE_CONFIGS, SLO_SEPARATOR, TWO_HOST_CONFIGS, Budget, base_config,
+                                  declared_slo)
 from pdserve.errors import ConfigError
 from pdserve.slo import SLO
 
-KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl", "adaptive", *TWO_HOST_CONFIGS)
+KNOWN_CONFIGS = ("collocated", "round-robin", "chunked", "write", "read", "nixl", *ADAPTIVE_CONFIGS, *TWO_HOST_CONFIGS)
 
 
 WORKLOAD_KINDS = ("random", "shared-prefix", "multi-turn")
@@ -143,7 +144,7 @@ class BenchPlan:
             name = declared_slo(config)
             if name is None:
                 continue
-            if base_config(config) != "adaptive":
+            if base_config(config) not in ADAPTIVE_CONFIGS:
                 raise ConfigError(f"{config}: only adaptive placement declares an SLO")
             if name not in names:
                 raise ConfigError(f"{config}: {name!r} is none of the plan's SLOs ({', '.join(names)})")

@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 
 from pdserve.bench import placements
 from pdserve.bench.attainment import Verdict
-from pdserve.bench.budget import PLAIN_CONFIGS, base_config
+from pdserve.bench.budget import PLAIN_CONFIGS, STATIC_OF_ADAPTIVE, base_config
 from pdserve.bench.calibrate import Calibration
 from pdserve.bench.comparison import BLOCK_REQUESTS, Comparison, compare
 from pdserve.bench.goodput import Bound, ratio
@@ -175,7 +175,13 @@ def _headline(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
     return lines + [""]
 
 
-STATIC_PD = "write"  # the static disaggregation adaptive placement is also compared with
+
+
+def _statics(plan: BenchPlan) -> list[str]:
+    """The static disaggregations in the plan whose adaptive placement is in it too (write for
+    adaptive, read for adaptive-read)."""
+    bases = {base_config(c) for c in plan.configs}
+    return [s for a, s in STATIC_OF_ADAPTIVE.items() if a in bases and s in plan.configs]
 
 
 def best_plain(plan: BenchPlan, curves: dict, slo_name: str) -> str | None:
@@ -187,10 +193,8 @@ def best_plain(plan: BenchPlan, curves: dict, slo_name: str) -> str | None:
 def _goodput(plan: BenchPlan, curves: dict, slo_name: str, comparison: Comparison | None) -> list[str]:
     best = best_plain(plan, curves, slo_name)
     plain = [c for c in plan.configs if c in PLAIN_CONFIGS and (c, slo_name) in curves]
-    # static write too, where adaptive placement is compared: it should lose to neither
-    adaptive = any(base_config(c) == "adaptive" for c in plan.configs)
-    bases = plain + ([STATIC_PD] if STATIC_PD in plan.configs and adaptive
-                     and (STATIC_PD, slo_name) in curves else [])
+    # static write (read) too, where adaptive placement in that mode is compared: it should lose to neither
+    bases = plain + [s for s in _statics(plan) if (s, slo_name) in curves]
     head = ["configuration", "goodput (req/s) [95 % CI]", "step", "per seed",
             *([f"÷ best plain ({best})"] if best and len(plain) > 1 else []), *(f"÷ {b}" for b in bases)]
     columns = ([best] if best and len(plain) > 1 else []) + bases
@@ -238,10 +242,10 @@ def _differences(plan: BenchPlan, curves: dict, slo_name: str, comparison: Compa
         return []
     rates = sorted(plan.rates)
     best = best_plain(plan, curves, slo_name)
-    adaptive = [c for c in plan.configs if base_config(c) == "adaptive"]
     tables = [(best, [c for c in plan.configs if c != best])] if best else []
-    if adaptive and STATIC_PD in plan.configs and STATIC_PD != best:
-        tables.append((STATIC_PD, adaptive))
+    for static in _statics(plan):
+        if static != best:
+            tables.append((static, [c for c in plan.configs if STATIC_OF_ADAPTIVE.get(base_config(c)) == static]))
     lines = []
     for base, rows in tables:
         rows = [c for c in rows if any((c, base, r) in comparison.difference_ci for r in rates)]

@@ -165,6 +165,15 @@ def test_adaptive_is_compared_with_static_write_too(measured, tmp_path):
     without = write_report(dataclasses.replace(pd, configs=("collocated", "write")),
                            {p: r for p, r in renamed.items() if p.config != "adaptive"}, tmp_path / "w.md")
     assert "÷ write" not in without  # static write is a baseline only beside adaptive
+    # adaptive placement in READ mode is compared with static read, not write
+    as_read = {"round-robin": "read", "collocated": "adaptive-read"}
+    read_runs = {Point(as_read[p.config], p.rate, p.seed): r for p, r in runs.items()}
+    read_runs.update({p: r for p, r in runs.items() if p.config == "collocated"})
+    read = write_report(dataclasses.replace(plan, configs=("collocated", "read", "adaptive-read")), read_runs,
+                        tmp_path / "r.md")
+    header = next(line for line in read.splitlines() if line.startswith("| configuration | goodput"))
+    assert header.endswith("| ÷ collocated | ÷ read |") and "÷ write" not in read
+    assert "### Attainment minus read's, per rate" in read
 
 
 def test_report_shows_paired_attainment_differences_from_the_best_plain_configuration(measured):

@@ -78,7 +78,7 @@ def test_serve_decode_is_checked_at_the_edges():
         make_config("kv_producer", TransferMode.WRITE, serve_decode=True)
     with pytest.raises(ConfigError, match="serve_decode must be true or false"):
         make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode="sometimes")
-    with pytest.raises(ConfigError, match="only in adaptive mode, not write"):
+    with pytest.raises(ConfigError, match=r"only in adaptive mode \(WRITE\), not write"):
         UpOptions(mode="write", model="/m", serve_decode=True)
     with pytest.raises(ConfigError, match="only when it is the only one"):
         UpOptions(mode="adaptive", model="/m", serve_decode=True, num_prefill=2)
