@@ -55,6 +55,17 @@ def test_a_release_before_or_after_the_leg_means_d_prefills_it():
         assert news(pair) == {"leg2": False}
 
 
+def first_news(pair: Pair, engine, field: str) -> dict:
+    """The first non-empty `field` of `engine`'s WorkerNews, pumping the pair (5 s at most)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        pair.pump()
+        out = engine.take_news()
+        if out and getattr(out, field):
+            return dict(getattr(out, field))
+    return {}
+
+
 def test_p_load_reaches_d_rate_limited():
     with Pair(WRITE) as pair:
         pair.p.engine.await_decision(AwaitSpec("leg", "t1", D_ADDRESS))  # P handshakes D
@@ -62,12 +73,7 @@ def test_p_load_reaches_d_rate_limited():
         load = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 777, 0.001, 0.01, 512, time.time())
         pair.p.engine.publish_load(load)
         pair.p.engine.publish_load(load)  # within 20 ms: not sent again
-        got = {}
-        deadline = time.monotonic() + 5
-        while not got and time.monotonic() < deadline:
-            pair.pump()
-            out = pair.d.engine.take_news()
-            got = dict(out.loads) if out else {}
+        got = first_news(pair, pair.d.engine, "loads")
         assert got[(P_ADDRESS.host, P_ADDRESS.handshake_port)].queued_tokens == 777
         sent = [s for s in pair.p.notifier.sent if isinstance(s.message, PrefillLoad)]
         assert len(sent) == 1
@@ -81,12 +87,7 @@ def test_read_d_status_reaches_p_rate_limited():
                            time.time(), {"127.0.0.1:6301": 5})
         pair.d.engine.publish_status(status)
         pair.d.engine.publish_status(status)  # within 20 ms: not sent again
-        got = {}
-        deadline = time.monotonic() + 5
-        while not got and time.monotonic() < deadline:
-            pair.pump()
-            out = pair.p.engine.take_news()
-            got = dict(out.statuses) if out else {}
+        got = first_news(pair, pair.p.engine, "statuses")
         assert got == {(D_ADDRESS.host, D_ADDRESS.handshake_port): status}
         assert len([s for s in pair.d.notifier.sent if isinstance(s.message, DecodeStatus)]) == 1
         assert pair.d.engine.take_news() is None  # a status is P's news, not D's
