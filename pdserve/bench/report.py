@@ -134,9 +134,12 @@ def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: Tun
                      "the run is not spread over the configurations (`--interleave` spreads it).")
     declared = [f"`{c}` declares `{slo.spec}`" for c in plan.configs if (slo := plan.declared_slo(c))]
     if declared:
+        bases = sorted({base_config(c) for c in plan.configs if plan.declared_slo(c)})
+        names = " and ".join(f"`{b}`" for b in bases)
         items.append("Declared SLOs (adaptive placement told the SLO it serves, `pdserve up --slo`): "
-                     + "; ".join(declared) + "; `adaptive` declares none (its default bounds). Where `adaptive` "
-                     "runs too, they use the budget its tuning chose (a declared SLO is not a budget).")
+                     + "; ".join(declared) + f"; {names} declare{'s' if len(bases) == 1 else ''} none (default "
+                     f"bounds). Where {names} run{'s' if len(bases) == 1 else ''} too, the variants use the budget "
+                     "its tuning chose (a declared SLO is not a budget).")
     tuned = [d for c in plan.configs if tune_log and (d := tune_log.describe(c))]
     if tuned:
         items.append(f"Tuning (same procedure for every tuned configuration, tuning stream at "
