@@ -536,6 +536,9 @@ class PDScheduler:
             self._started.forget(self._recv_params[rid].transfer_id)
         if rid not in self._recv_params:  # aborted before it was ever scheduled: P may hold its KV
             self._consumer_params(request)
+        params = self._recv_params.get(rid)
+        if isinstance(params, TransferParams) and params.local:
+            self._cancelled.add(rid)  # READ, left to us: P holds nothing of it
         if rid in self._recv_params and rid not in self._cancelled:
             if rid not in self._receiving:
                 self._cancel_recv(rid, "request ended before decode allocated its blocks")

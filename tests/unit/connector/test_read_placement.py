@@ -204,6 +204,13 @@ def test_d_prefills_what_p_left_to_it_and_reports_taking_it():
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).cancels == []
 
 
+def test_a_request_p_left_to_d_that_ends_before_d_took_it_releases_nothing():
+    s = read_adaptive("kv_consumer")
+    request = FakeRequest(ROUTER_ID, local_params(), 100)
+    assert s.scheduler.request_finished(request, []) == (False, None)  # aborted while waiting
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).cancels == []
+
+
 def test_d_reads_what_p_prefilled_and_counts_p_s_decision():
     s = read_adaptive("kv_consumer")
     request = FakeRequest(ROUTER_ID, local_params(placement="remote:remote_faster", remote_block_ids=[4, 5, 6, 7],
