@@ -56,7 +56,15 @@ class ReadPlacement:
         self._holding = False  # this scheduling pass held a prompt back
 
     def on_statuses(self, statuses: dict[tuple[str, int], DecodeStatus]) -> None:
-        self._statuses.update(statuses)
+        for key, status in statuses.items():
+            taken = status.placed_local.get(self._own_key, 0)
+            before = self._statuses.get(key)
+            if before is None or taken < before.placed_local.get(self._own_key, 0):
+                # the first word from this D (P may be a new incarnation D counted before), or a
+                # restarted D (its count started over): number what we leave it from its count on
+                self._num_left[key] = taken
+                self._left.pop(key, None)
+            self._statuses[key] = status
 
     def decide(self, tokens: int, peer: PeerAddress, load: PrefillLoad | None, local_delay_s: float) -> Decision:
         """Where a leg's prompt of `tokens` uncached tokens is prefilled, `peer` its decode instance."""
@@ -99,11 +107,6 @@ class ReadPlacement:
         self._cut_waiting.pop(request_id, None)
         return self._decisions.pop(request_id, None)
 
-    def cut(self, request_id: str) -> bool:
-        """Whether the leg was cut to one token (P does not prefill its prompt)."""
-        decision = self._decisions.get(request_id)
-        return decision is not None and decision.placement is Placement.LOCAL
-
     def _on_the_way(self, key: tuple[str, int], status: DecodeStatus) -> int:
         """Tokens of the prompts left to D that D had not taken in when it measured `status`."""
         left = self._left.get(key)
@@ -114,6 +117,3 @@ class ReadPlacement:
         while left and (left[0][0] <= taken or now - left[0][2] > IN_FLIGHT_S):
             left.popleft()
         return sum(tokens for _, tokens, _ in left)
-
-    def __len__(self) -> int:
-        return len(self._decisions)

@@ -95,6 +95,24 @@ def test_prompts_left_to_d_count_as_its_backlog_until_d_reports_taking_them():
     assert p.decide(500, D_ADDRESS, busy_p(3000), 0.0).placement is Placement.LOCAL
 
 
+def test_a_restart_of_either_side_does_not_leave_prompts_counted_on_their_way():
+    local = Decision(Placement.LOCAL, Reason.LOCAL_FASTER)
+    # a restarted P meets a D that counted 7 of its predecessor's prompts: its own count from there
+    p = placement()
+    p.on_statuses({D_KEY: d_status(placed_local={P_KEY: 7})})
+    p.placed("r1", D_ADDRESS, local, 3000)
+    assert p.decide(500, D_ADDRESS, busy_p(3000), 0.0).reason is Reason.REMOTE_FASTER  # r1 on its way
+    p.on_statuses({D_KEY: d_status(placed_local={P_KEY: 8})})
+    assert p.decide(500, D_ADDRESS, busy_p(3000), 0.0).placement is Placement.LOCAL  # D took it
+    # D restarts: its count starts over, and what P left its predecessor is not on its way to it
+    p.placed("r2", D_ADDRESS, local, 3000)
+    p.on_statuses({D_KEY: d_status(placed_local={})})
+    assert p.decide(500, D_ADDRESS, busy_p(3000), 0.0).placement is Placement.LOCAL
+    p.placed("r3", D_ADDRESS, local, 3000)
+    p.on_statuses({D_KEY: d_status(placed_local={P_KEY: 1})})
+    assert p.decide(500, D_ADDRESS, busy_p(3000), 0.0).placement is Placement.LOCAL
+
+
 def test_while_a_cut_leg_waits_no_prompt_starts_before_it():
     p = placement()
     p.placed("cut", D_ADDRESS, Decision(Placement.LOCAL, Reason.LOCAL_FASTER), 100)
