@@ -39,6 +39,8 @@ from pdserve.transport.base import Direction, Transport, TransferStatus
 
 logger = logging.getLogger("pdserve.connector")
 
+LETTING_GO = (Release, WriteDone)  # what still goes to a peer that refused our handshake: it frees its blocks
+
 MAX_TERMINAL_IDS = 4096
 MAX_EARLY_IDS = 4096
 LIVENESS_EVERY_S = 0.5
@@ -110,8 +112,8 @@ class TransferEngine:
         if self._admit(t) and not t.state.is_terminal:
             self._step_sends.append(t)
             peer = self._peers.lookup(t.peer)  # handshake while the forward pass runs
-            if peer.state is PeerState.FAILED and not self._allow.allows(t.peer.host):
-                self._bound_peer(t)  # refused: fail now (naming the host), not at defer_timeout
+            if peer.state is PeerState.FAILED and (peer.refused_by or not self._allow.allows(t.peer.host)):
+                self._bound_peer(t)  # refused: fail now (naming the reason), not at defer_timeout
 
     def add_hold(self, spec: HoldSpec) -> None:
         deadline = time.monotonic() + max(0.0, spec.expires_at - time.time())
@@ -392,15 +394,19 @@ class TransferEngine:
             self._fail(t, f"prefill did not confirm the KV it held: {message.error}")
 
     def _on_peer(self, peer: Peer) -> None:
-        if peer.state is PeerState.READY:
-            for message in peer.outbox:
+        for message in peer.outbox:  # what waited for this handshake
+            if peer.state is PeerState.READY:
                 self._notify(peer.address, message, peer.key)
+            elif peer.refused_by and isinstance(message, LETTING_GO):
+                self._notify(peer.address, message, peer.refused_by)
         peer.outbox.clear()
         for t in list(self._transfers.values()):
             if t.peer != peer.address or t.state.is_terminal:
                 continue
             if t.side is Side.RECV:
                 self._bind(t)
+            elif peer.refused_by:
+                self._fail(t, peer.error)  # incompatible: D will never take our KV, so free it now
             else:
                 self._try_write(t)
 
@@ -468,6 +474,8 @@ class TransferEngine:
             self._notify(address, message, peer.key)
         elif peer.state is PeerState.CONNECTING:
             peer.outbox.append(message)
+        elif peer.refused_by and isinstance(message, LETTING_GO):
+            self._notify(address, message, peer.refused_by)  # incompatible, yet it can let go of its blocks
 
     def _notify(self, address: PeerAddress, message, recipient: str) -> bool:
         """Every message leaves through here: only to allowed hosts, always to one incarnation."""

@@ -6,6 +6,10 @@ transport. A peer is reached through its address but *is* an incarnation: the tr
 memory under the incarnation's identity, so a restarted peer (a new identity at the same address)
 gets a new mapping and nothing queued for the old one can land in it. Addresses outside the
 allow-list are refused without a handshake; a peer nobody used for `idle_s` is forgotten.
+
+A peer that answers but refuses (an incompatible KV layout) is FAILED with `refused_by` set: no KV
+can move between us until one side restarts, so transfers with it end at once, but the messages
+that let go of blocks (Release, WriteDone) still reach that incarnation, so it frees them at once too.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Peer:
     failed_at: float = 0.0
     last_used: float = field(default_factory=time.monotonic)
     outbox: list = field(default_factory=list)  # messages for whichever incarnation the handshake finds
+    refused_by: str = ""  # FAILED: the incarnation that answered and refused (incompatible), if one did
     refreshing: bool = False  # a new handshake checks whether another incarnation listens now
 
     @property
@@ -65,6 +70,7 @@ class HandshakeResult:
     layout: KvLayout | None = None
     error: str = ""
     route: PeerRoute | None = None  # how to reach it (same host or NIXL), for a RoutedTransport
+    refused_by: str = ""  # with `error`: the incarnation that answered but is incompatible (no retry helps)
 
 
 class PeerTable:
@@ -132,7 +138,7 @@ class PeerTable:
         result = self._attach(result)
         if result.error:
             peer.state, peer.error, peer.failed_at = PeerState.FAILED, result.error, time.monotonic()
-            peer.outbox.clear()
+            peer.refused_by = result.refused_by
             logger.error("pdserve: %s", result.error)
         else:
             peer.state, peer.incarnation, peer.layout = PeerState.READY, result.incarnation, result.layout

@@ -83,6 +83,7 @@ class PDScheduler:
         self._held: set[str] = set()  # returned delay_free=True; waiting for finished_sending
         # D
         self._recv_params: dict[str, TransferParams | ProtocolError] = {}
+        self._rejected: dict[str, TransferParams] = {}  # READ: params that parsed but do not fit the request
         self._receiving: set[str] = set()  # RecvSpec emitted
         self._received: set[str] = set()  # the worker reported the transfer over
         self._cancelled: set[str] = set()
@@ -446,7 +447,11 @@ class PDScheduler:
                 if params is not None:
                     params.require_peer()
                     if self._config.mode is TransferMode.READ and not params.local:
-                        self._check_read_params(request, params)
+                        try:
+                            self._check_read_params(request, params)
+                        except ProtocolError:
+                            self._rejected[rid] = params  # P holds KV under them: release it
+                            raise
             except ProtocolError as exc:
                 params = exc
             if params is None:
@@ -482,6 +487,7 @@ class PDScheduler:
         if isinstance(params, ProtocolError):
             self._meta.recvs.append(RecvSpec(rid, "", self._config.mode, None, tuple(block_ids),
                                              first_block, None, None, error=str(params)))
+            self._cancel_recv(rid, f"decode rejected the prefill's kv_transfer_params: {params}")
             return
         self._meta.recvs.append(
             RecvSpec(rid, params.transfer_id, self._config.mode, params.peer, tuple(block_ids),
@@ -491,6 +497,8 @@ class PDScheduler:
 
     def _cancel_recv(self, rid: str, reason: str) -> None:
         params = self._recv_params.get(rid)
+        if isinstance(params, ProtocolError):
+            params = self._rejected.get(rid)
         self._cancelled.add(rid)
         if isinstance(params, TransferParams):
             self._meta.cancels.append(CancelSpec(params.transfer_id, params.peer, reason))
@@ -545,6 +553,7 @@ class PDScheduler:
             elif rid not in self._received:
                 self._cancel_recv(rid, "request ended while its KV was on the way")
         self._recv_params.pop(rid, None)
+        self._rejected.pop(rid, None)
         self._receiving.discard(rid)
         self._received.discard(rid)
         self._cancelled.discard(rid)

@@ -148,13 +148,15 @@ class PDWorker:
 
     def _handshake(self, address: PeerAddress) -> HandshakeResult:
         where = f"{address.host}:{address.handshake_port}"
+        answered_by = ""  # the incarnation that answered, when it did: it stays reachable for a Release
         try:
             started = time.monotonic()
-            reply = self._client.request(
+            envelope = self._client.exchange(
                 address.host, address.handshake_port, HandshakeRequest(self.identity, self._fingerprint),
                 self._config.handshake_timeout,
             )
             self._handshake_seconds.append(time.monotonic() - started)  # answered, accepted or not
+            reply, answered_by = envelope.message, envelope.sender
             if isinstance(reply, HandshakeRefused):
                 raise IncompatiblePeerError(f"peer {where} refused the handshake: {reply.reason}")
             if not isinstance(reply, HandshakeReply):
@@ -164,6 +166,8 @@ class PDWorker:
             layout = KvLayout.from_wire(reply.layers, region_sizes={d.region_id: d.size for d in regions})
             if len(layout.layers) != len(self._layout.layers):
                 raise IncompatiblePeerError(f"peer {where} has {len(layout.layers)} KV layers, we have {len(self._layout.layers)}")
+        except IncompatiblePeerError as exc:
+            return HandshakeResult(address, error=str(exc), refused_by=answered_by)
         except PDServeError as exc:
             return HandshakeResult(address, error=str(exc))
         not_here = verify(HostClaim(reply.host_proof, reply.host_proof_digest))

@@ -183,7 +183,12 @@ class Client:
             return len(self._senders)
 
     def request(self, host: str, port: int, msg, timeout_s: float, recipient: str = ""):
-        """Send `msg` (addressed to `recipient`, see Codec.encode) and return the decoded reply.
+        """Send `msg` (addressed to `recipient`, see Codec.encode) and return the decoded reply
+        (`exchange` without the envelope)."""
+        return self.exchange(host, port, msg, timeout_s, recipient).message
+
+    def exchange(self, host: str, port: int, msg, timeout_s: float, recipient: str = "") -> Envelope:
+        """Send `msg` (addressed to `recipient`, see Codec.encode) and return the reply's envelope.
 
         Raises HandshakeError when no reply arrives within `timeout_s`, ProtocolError or
         AuthenticationError when the reply does not decode (FencedError when it is addressed to
@@ -204,7 +209,7 @@ class Client:
             socket.send(frame, zmq.NOBLOCK)
             if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
                 raise HandshakeError(f"no reply from {host}:{port} to {type(msg).__name__} within {timeout_s:g} s")
-            return self.codec.decode(socket.recv(zmq.NOBLOCK)).message
+            return self.codec.decode(socket.recv(zmq.NOBLOCK))
         except zmq.ZMQError as e:
             raise HandshakeError(f"request to {host}:{port} failed: {e}") from None
         finally:

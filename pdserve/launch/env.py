@@ -46,6 +46,9 @@ def vllm_env(scratch_dir: Path | None = None) -> dict[str, str]:
         "TMPDIR": str(scratch),
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        # Inductor would preprocess torch's headers (~10 s of g++ per process) at the first call of
+        # each compiled kernel, such as vLLM's logprobs gather, before it looks at its disk cache.
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
         "TRITON_CACHE_DIR": str(cache / "triton"),
         "HF_HOME": str(cache / "hf"),
         "HF_HUB_OFFLINE": "1",

@@ -100,6 +100,7 @@ class Instance:
     identity: str
     engine: TransferEngine | None = None
     handshake_error: str = ""
+    refuses: bool = False  # with handshake_error: it answered and refused (an incompatible layout)
     handshake_delay_s: float = 0.0  # a peer that answers slowly
     advertised_layout: KvLayout | None = None  # what the handshake claims, when not `layout`
     handshakes: int = 0
@@ -150,7 +151,7 @@ class Instance:
         self.handshakes += 1
         time.sleep(self.handshake_delay_s)
         if self.handshake_error:
-            return HandshakeResult(address, error=self.handshake_error)
+            return HandshakeResult(address, error=self.handshake_error, refused_by=self.identity if self.refuses else "")
         layout = self.advertised_layout or self.layout
         return HandshakeResult(address, Incarnation(self.identity, *self.liveness),
                                tuple(self.transport.local_descriptors()), layout)

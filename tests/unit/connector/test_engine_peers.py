@@ -85,3 +85,51 @@ def test_a_peer_with_a_transfer_in_flight_is_not_evicted():
         pair.pump_for(0.7, sides=(pair.d,))  # past two liveness checks, long past the idle timeout
         assert pair.d.engine.num_peers == 1 and pair.d.notifier.forgotten == []
         assert pair.d.engine.has_active()
+
+
+def _incompatible(pair) -> None:
+    """P and D answer each other's handshake with a refusal (their KV layouts differ)."""
+    for side in (pair.p, pair.d):
+        side.handshake_error, side.refuses = f"{side.identity} has an incompatible KV cache (block_size)", True
+
+
+@pytest.mark.parametrize("unanswered", [False, True])
+def test_p_frees_a_write_send_at_once_when_the_decode_refuses_the_handshake(unanswered):
+    """An incompatible D will never announce blocks: P must not hold the prompt's KV for
+    defer_timeout. With `unanswered`, D's own Release is lost and P's refusal alone must do it."""
+    with Pair(WRITE, p_timeouts={"defer_timeout": 4.0}, d_timeouts={"transfer_timeout": 4.0}) as pair:
+        _incompatible(pair)
+        pair.d.notifier.drop = unanswered
+        pair.d.engine.add_recv(write_recv())
+        send(pair.p)
+        pair.p.finished_req_ids.add("req-p")
+        elapsed = pair.pump_until(lambda: "req-p" in pair.p.sending and "req-d" in pair.d.recving, timeout_s=6.0)
+        assert elapsed < 1.0, f"P held the blocks {elapsed:.1f} s for a decode that refused it"
+        assert pair.d.failed_recving == {"req-d"}
+        assert pair.p.engine.stats.num_completed == 0
+
+
+def test_d_refused_by_p_releases_p_read_hold_at_once():
+    """READ: P refused D's handshake; D fails its read and still tells that P incarnation to let
+    go of the held blocks, instead of leaving them held until the hold expires."""
+    with Pair(READ) as pair:
+        _incompatible(pair)
+        hold(pair.p)
+        pair.p.finished_req_ids.add("req-p")
+        pair.d.engine.add_recv(read_recv())
+        elapsed = pair.pump_until(lambda: "req-p" in pair.p.sending and "req-d" in pair.d.recving, timeout_s=6.0)
+        assert elapsed < 1.0, f"P held the blocks {elapsed:.1f} s for a decode it refused"
+        assert pair.d.failed_recving == {"req-d"}
+        releases = [s for s in pair.d.notifier.delivered if type(s.message).__name__ == "Release"]
+        assert [s.recipient for s in releases] == [pair.p.identity]
+
+
+def test_an_unanswered_handshake_keeps_the_write_send_waiting():
+    """A peer that did not answer (timeout, not a refusal) may still come: P keeps its send until
+    D announces or defer_timeout, as before."""
+    with Pair(WRITE, p_timeouts={"defer_timeout": 4.0}) as pair:
+        pair.d.handshake_error = "no reply from 127.0.0.1:6302 to HandshakeRequest within 10 s"
+        send(pair.p)
+        pair.p.finished_req_ids.add("req-p")
+        pair.pump_for(0.5, sides=(pair.p,))
+        assert "req-p" not in pair.p.sending

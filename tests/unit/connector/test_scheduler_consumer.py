@@ -104,14 +104,20 @@ def test_read_recv_carries_p_blocks_hold_expiry_and_prompt_digest():
     (read_params(prompt_hash=None), range(40), "prompt_hash"),
 ])
 def test_read_params_for_another_prompt_fail_the_request_instead_of_reading(params, tokens, field):
-    """Finding 5 (D side): P's blocks must be exactly this prompt's blocks of this prompt's tokens."""
+    """Finding 5 (D side): P's blocks must be exactly this prompt's blocks of this prompt's tokens.
+    P still holds its blocks under these params: D tells it at once to let go (one cancel)."""
     s = make_scheduler("kv_consumer", READ)
     request = FakeRequest("cmpl-plain-0", params, 40, prompt_token_ids=list(tokens))
     count, is_async = s.scheduler.get_num_new_matched_tokens(request, 0)
     assert (count, is_async) == (40, True), "the request must wait for the failure report, not prefill silently"
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), count)
-    [recv] = meta_of(s).recvs
+    meta = meta_of(s)
+    [recv] = meta.recvs
     assert field in recv.error and recv.peer is None and recv.remote_block_ids is None
+    [cancel] = meta.cancels
+    assert (cancel.transfer_id, cancel.peer) == ("tx-1", P_ADDRESS) and field in cancel.reason
+    assert s.scheduler.request_finished(request, [1, 2, 3]) == (False, None)
+    assert meta_of(s).cancels == [], "released twice"
 
 
 def test_zero_external_tokens_cancels_the_transfer():

@@ -62,6 +62,8 @@ def test_request_reply(server, client):
     assert client.request("127.0.0.1", server.port, Ping(), timeout_s=5) == Pong()
     reply = client.request("127.0.0.1", server.port, HandshakeRequest("d", {}), timeout_s=5)
     assert reply == HandshakeRefused("no thanks, client")
+    envelope = client.exchange("127.0.0.1", server.port, HandshakeRequest("d", {}), timeout_s=5)
+    assert (envelope.sender, envelope.message) == ("server", HandshakeRefused("no thanks, client"))
 
 
 def test_request_times_out_when_nobody_answers(client):
