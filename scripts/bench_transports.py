@@ -65,7 +65,7 @@ def measure(mode: str, router: str, p_url: str, d_url: str, prompts: Prompts, nu
 
 
 def same_host(config: str, mode: str, args, prompts: Prompts) -> tuple[list[Sample], int]:
-    from pdserve.connector.modes import pd_deployment
+    from pdserve.launch.pd_modes import pd_deployment
     from pdserve.launch import Cluster, UpOptions
 
     options = UpOptions(mode=mode, model=str(args.model_dir), port=PORT, enforce_eager=args.enforce_eager)

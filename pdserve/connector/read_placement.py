@@ -11,7 +11,7 @@ A prompt left to D is cut to one token (leg_truncation.py): P answers after a on
 vLLM admits waiting requests first come, first served, so a cut leg would wait behind P's whole
 queue; instead, while a cut leg waits, prompts that would start their prefill are held back for one
 scheduling pass (vLLM's "ask again next step"): cut legs ride in P's next step beside the chunks of
-prompts already started (P's budget keeps room for them: launch/modes.py). What that costs the cut
+prompts already started (P's budget keeps room for them: launch/pd_modes.py). What that costs the cut
 leg (P's next step) is added to its local estimate; a cut leg holds prompts back for HOLD_S at most.
 Free of vLLM.
 """

@@ -79,7 +79,7 @@ class Mode:
 
 
 MODES: dict[str, Mode] = {}
-PLUGIN_MODULES = ("pdserve.connector.modes", "pdserve.launch.nixl_mode")  # optional modules that register PD modes
+PLUGIN_MODULES = ("pdserve.launch.pd_modes", "pdserve.launch.nixl_mode")  # optional modules that register PD modes
 
 
 def register(name: str, description: str = "") -> Callable[[Planner], Planner]:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import requests
 
 from pdserve.compare import fetch_greedy
-from pdserve.connector.modes import pd_deployment
+from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch import Cluster, UpOptions, plan
 from pdserve.launch.env import cache_dir
 from pdserve.launch.ports import port_free

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.compare import fetch_greedy
-from pdserve.connector.modes import pd_deployment
+from pdserve.launch.pd_modes import pd_deployment
 from pdserve.faults.matrix import MAX_TOKENS, TIMEOUTS, Matrix, cells
 from pdserve.launch import Cluster, UpOptions
 from pdserve.model.build import resolve_model

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pdserve.compare import compare_greedy
-from pdserve.connector.modes import pd_deployment
+from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch import Cluster
 from tests.integration.pd_helpers import (
     LOG_DIR,

@@ -16,7 +16,7 @@ import requests
 import zmq
 
 from pdserve.compare import compare_greedy
-from pdserve.connector.modes import secret_file
+from pdserve.launch.pd_modes import secret_file
 from pdserve.control.codec import Codec
 from pdserve.control.messages import HandshakeRefused, HandshakeRequest, Release, WriteDone
 from pdserve.control.endpoint import Client

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import requests
 
 from pdserve.compare import Generation, Step, compare_greedy
-from pdserve.connector.modes import pd_deployment
+from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch import Cluster
 from pdserve.launch.ports import port_free
 from pdserve.launch.process import group_members

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.connector.modes import pd_deployment
+from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch.options import UpOptions
 from pdserve.launch.two_host import CHUNK_TOKENS, NETWORK, TIMEOUTS, TwoHostPD, metric
 

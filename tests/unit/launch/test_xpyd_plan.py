@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.connector.modes import PortLayout, pd_deployment
+from pdserve.launch.pd_modes import PortLayout, pd_deployment
 from pdserve.errors import ConfigError
 from pdserve.launch import UpOptions, plan
 from pdserve.launch.cli import instance_lines, options_from
