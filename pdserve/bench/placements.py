@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 from pdserve.launch.samples import parse_samples
 
 METRIC = "pdserve:placements_total"
+EAGER = "remote:eager"  # P's count of legs it started before D's word: D still decides each of those requests
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 Counts = dict[str, int]  # "placement:reason" -> decisions
@@ -78,15 +79,20 @@ def section(rows: Sequence[tuple[str, float, Counts]]) -> list[str]:
              "Decode's `pdserve:placements_total` over each point (every request of the point, not only the "
              "scored ones), summed over seeds. Remote: prefilled on P; local: prefilled on D in chunks "
              "(static PD decides `remote:static` every time; requests P serves whole are not decode's "
-             "to place).", "",
+             "to place; legs P started before decode's word, `remote:eager`, are counted apart: decode "
+             "still decides each of those requests).", "",
              "| configuration | rate | decided | remote | local | reasons (most frequent first) |",
              "|---|---|---|---|---|---|"]
     for config, rate, counts in rows:
-        total = sum(counts.values())
+        eager = counts.get(EAGER, 0)
+        counts = {label: n for label, n in counts.items() if label != EAGER}
+        total = sum(counts.values()) or 1
         by_placement = Counter()
         for label, n in counts.items():
             by_placement[label.partition(":")[0]] += n
         share = lambda p: f"{by_placement[p]} ({by_placement[p] / total:.0%})"  # noqa: E731
         reasons = ", ".join(f"{label} {n}" for label, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-        lines.append(f"| {config} | {rate:g} | {total} | {share('remote')} | {share('local')} | {reasons} |")
+        if eager:
+            reasons += f"; prefill started {eager} legs eagerly"
+        lines.append(f"| {config} | {rate:g} | {sum(counts.values())} | {share('remote')} | {share('local')} | {reasons} |")
     return lines + [""]

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import secrets
+import threading
 import time
 from collections import deque
 
@@ -20,6 +21,7 @@ from pdserve.config import ConnectorConfig
 from pdserve.config import Role
 from pdserve.connector.engine import Finished, TransferEngine
 from pdserve.connector.guard import guarded
+from pdserve.connector.idle_pump import IdlePump
 from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout, LayerPlacement, check_compatible, cpu_isa
 from pdserve.connector.metadata import StepPlan
@@ -67,6 +69,8 @@ class PDWorker:
         self._segments: list = []
         self._servers: list[Server] = []
         self._engine: TransferEngine | None = None
+        self._engine_lock = threading.Lock()  # the step's hooks and the idle pump take turns with the engine
+        self._idle_pump: IdlePump | None = None
         self._step_sends = False
         self._idle = False
         self._reported_rejections = 0
@@ -110,6 +114,8 @@ class PDWorker:
         }
         self._layout = KvLayout(tuple(layers))
         self._engine = TransferEngine(self._config, self._layout, self._transport, self, self._handshake)
+        self._idle_pump = IdlePump(self._engine.pump, self._engine_lock)
+        self._idle_pump.start()
         host = self._config.host_ip
         self._servers = [
             Server(host, self._config.handshake_port, self._codec, self._serve, "pdserve-handshake"),
@@ -194,6 +200,12 @@ class PDWorker:
 
     @guarded()
     def bind(self, meta: StepPlan) -> None:
+        with self._engine_lock:
+            if self._idle_pump is not None:
+                self._idle_pump.step_started()
+            self._bind(meta)
+
+    def _bind(self, meta: StepPlan) -> None:
         engine = self._engine
         engine.begin_step()
         for spec in meta.cancels:
@@ -237,15 +249,27 @@ class PDWorker:
     def take_finished(self, finished_req_ids: set[str]) -> Finished:
         if self._engine is None:
             return Finished()
-        self._engine.pump(IDLE_WAIT_S if self._idle else 0.0)
-        return self._engine.take_finished(finished_req_ids)
+        with self._engine_lock:
+            try:
+                self._engine.pump(IDLE_WAIT_S if self._idle else 0.0)
+                return self._engine.take_finished(finished_req_ids)
+            finally:
+                if self._idle_pump is not None:
+                    self._idle_pump.step_ended()
 
     def take_news(self):
-        return self._engine.take_news() if self._engine is not None else None
+        if self._engine is None:
+            return None
+        with self._engine_lock:
+            return self._engine.take_news()
 
     def take_stats(self) -> dict | None:
         if self._engine is None:
             return None
+        with self._engine_lock:
+            return self._take_stats()
+
+    def _take_stats(self) -> dict | None:
         stats = self._engine.stats
         rejected = sum(server.num_rejected for server in self._servers)
         new_rejections, self._reported_rejections = rejected - self._reported_rejections, rejected
@@ -261,6 +285,8 @@ class PDWorker:
                 "peers_attached": self._transport.take_attached()}
 
     def shutdown(self) -> None:
+        if self._idle_pump is not None:
+            self._idle_pump.close()
         for server in self._servers:
             server.close()
         self._servers = []

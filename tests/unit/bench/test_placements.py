@@ -69,6 +69,16 @@ def test_section_shows_shares_and_reasons_and_leaves_out_configurations_without_
     assert placements.section([("round-robin", 0.5, {})]) == []
 
 
+def test_section_counts_eager_starts_apart_from_decode_s_decisions():
+    """P counts `remote:eager` for a leg it started before D's word; D decides that request too, so
+    counting both would show twice as many decisions as requests."""
+    lines = placements.section([("adaptive", 0.5, {"remote:eager": 40, "remote:prefill_started": 30,
+                                                   "local:local_faster": 10})])
+    row = next(line for line in lines if line.startswith("| adaptive"))
+    assert row.startswith("| adaptive | 0.5 | 40 | 30 (75%) | 10 (25%) | ")
+    assert row.endswith("; prefill started 40 legs eagerly |")
+
+
 class MetricsDeployer:
     """Brings up nothing; its endpoint names a /metrics server as the deployment's one instance."""
 
