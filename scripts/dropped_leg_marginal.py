@@ -21,8 +21,10 @@ block of T seconds that finished `n` prompts and `L` dropped legs gives a margin
 each charged a whole prefill. The ratio `c / a` per pair gives a mean with a t interval over the
 pairs (scipy.stats).
 
-Everything else on the machine also runs on P's core (router, front, this client), so their
-share of the B traffic is charged to the leg: the figure is an upper bound of P's own cost.
+Everything else on the machine (router, this client) is placed by the OS on either core, P's
+included, so its share of the B traffic is charged to the leg: the figure is an upper bound of P's
+own cost. `--others-core C` pins the router and this script's threads to core C (D's core, 1, on a
+2-core machine), so P's core runs P alone and the figure is P's own marginal cost.
 
 `--mode read` measures adaptive placement in READ mode, where P decides and a leg it leaves to D
 jumps its queue (read_placement.py); its budget as shipped is 528 (a 512-token chunk plus 16).
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -109,6 +112,18 @@ def block(cluster: Cluster, model: str, prompts: Prompts, with_legs: bool, secon
             **{where: n - before[where] for where, n in decisions(d_url).items()}}
 
 
+def pin_others(cluster: Cluster, core: int) -> None:
+    """The router (and whatever else is not a vLLM instance) and this process on `core` only."""
+    import psutil
+
+    instances = {spec.name for spec in cluster.deployment.instances}
+    for process in cluster.processes:
+        if process.name not in instances and process.pid is not None:
+            for proc in [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]:
+                proc.cpu_affinity([core])
+    os.sched_setaffinity(0, {core})
+
+
 def measure(budget: int, args: argparse.Namespace, port: int) -> dict:
     extra_args = ("--long-prefill-token-threshold", str(args.isl)) if budget > args.isl else ()
     options = UpOptions(mode=args.mode, model=str(resolve_model(args.model)), port=port, prefill_budget=budget,
@@ -117,6 +132,8 @@ def measure(budget: int, args: argparse.Namespace, port: int) -> dict:
     cluster.start()
     try:
         cluster.wait_healthy(900)
+        if args.others_core is not None:
+            pin_others(cluster, args.others_core)
         model = requests.get(f"{cluster.instance_urls['prefill']}/v1/models", timeout=30).json()["data"][0]["id"]
         prompts = Prompts(args.isl, seed=budget)
         # warm both streams together: D places a prompt locally only once it has cost estimates and
@@ -165,12 +182,15 @@ def main() -> None:
     ap.add_argument("--routed", type=int, default=4, help="closed-loop clients sending prompts through the router")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--port", type=int, default=32400)
+    ap.add_argument("--others-core", type=int, default=None,
+                    help="pin the router and this script to this core (D's), so P's core runs P alone")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     cpu = Path("/proc/cpuinfo").read_text().split("model name")[1].split(":")[1].splitlines()[0].strip()
     rows = [measure(int(b), args, args.port + 20 * i) for i, b in enumerate(args.budgets.split(","))]
+    others = "unpinned" if args.others_core is None else f"on core {args.others_core}"
     print(f"{args.mode} mode, model {args.model}, ISL {args.isl}, {args.pairs} pairs of {args.block_s:g} s blocks, "
-          f"{args.concurrency} direct clients, CPU: {cpu}")
+          f"{args.concurrency} direct clients, router and clients {others}, CPU: {cpu}")
     for row in rows:
         lo, hi = row["ratio_ci95"]
         legs = sum(p["with"]["local"] for p in row["pairs"])
