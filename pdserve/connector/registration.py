@@ -2,7 +2,8 @@
 
 Registering before the OpenAI server listens would let the router send requests into a
 refused connection, so a thread first waits for our own /health, then heartbeats. A prefill
-instance with `serve_decode` registers as a decode instance too (whole_requests.py).
+instance with `serve_decode` registers as a decode instance too, from its worker half and only
+while its `ServeGate` is open (serve_gate.py, whole_requests.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import urllib.request
+from collections.abc import Callable
 
 from pdserve.config import ConnectorConfig, Role
 from pdserve.control.registration import RegistrationHeartbeat
@@ -18,24 +20,22 @@ logger = logging.getLogger("pdserve.connector")
 
 
 class RouterRegistration:
-    def __init__(self, config: ConnectorConfig):
+    """Registers this instance as `role` (its own by default); with `when`, a beat is sent only
+    while `when()` is true."""
+
+    def __init__(self, config: ConnectorConfig, role: Role | None = None, when: Callable[[], bool] | None = None):
         self._config = config
+        self._role = role or config.role
+        self._when = when
         self._stop = threading.Event()
         self._heartbeats: list[RegistrationHeartbeat] = []
         self._thread = threading.Thread(target=self._run, name="pdserve-registration", daemon=True)
         self._thread.start()
 
-    def payloads(self) -> list[dict]:
-        c = self._config
-        roles = [c.role.value]
-        if c.role is Role.PRODUCER and c.placement.serve_decode:
-            roles.append(Role.CONSUMER.value)
-        return [self.payload(role) for role in roles]
-
-    def payload(self, role: str | None = None) -> dict:
+    def payload(self) -> dict:
         c = self._config
         return {
-            "type": role or c.role.value,
+            "type": self._role.value,
             "http_address": f"{c.host_ip}:{c.http_port}",
             "zmq_address": c.zmq_address,
             "transfer_mode": c.mode.value,
@@ -55,11 +55,11 @@ class RouterRegistration:
             self._stop.wait(0.5)
         if self._stop.is_set():
             return
-        for payload in self.payloads():
-            self._heartbeats.append(RegistrationHeartbeat(
-                self._config.proxy_ip, self._config.proxy_ping_port, payload, self._config.heartbeat_interval))
-            logger.info("pdserve: registered with router %s:%d as %s", self._config.proxy_ip,
-                        self._config.proxy_ping_port, payload)
+        payload = self.payload()
+        self._heartbeats.append(RegistrationHeartbeat(
+            self._config.proxy_ip, self._config.proxy_ping_port, payload, self._config.heartbeat_interval, self._when))
+        logger.info("pdserve: registered with router %s:%d as %s%s", self._config.proxy_ip,
+                    self._config.proxy_ping_port, payload, " while serving whole requests" if self._when else "")
 
     def stop(self) -> None:
         self._stop.set()

@@ -26,6 +26,7 @@ from pdserve.connector.prefill_gate import PrefillGate, Verdict
 from pdserve.connector.placement_inbox import PUBLISH_EVERY_S
 from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.connector.read_placement import ReadPlacement, next_step_seconds, peer_key
+from pdserve.connector.serve_gate import STATUS_EVERY_S
 from pdserve.connector.step_costs import StepCosts
 from pdserve.connector.whole_requests import SERVED_WHOLE, addressed_to_self
 from pdserve.control.address import PeerAddress
@@ -69,7 +70,8 @@ class PDScheduler:
         self._whole: dict[str, Any] = {}  # requests served whole here (not legs), until their prompt is computed
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
         # D, placement
-        self._publishes_status = adaptive and config.role is Role.CONSUMER and not write
+        self._publishes_status = adaptive and config.role is Role.CONSUMER
+        self._status_every_s = STATUS_EVERY_S if write else PUBLISH_EVERY_S
         self._next_status = 0.0
         self._placed_local: dict[str, int] = {}  # READ: per prefill instance, the prompts it left us that we took
         self._decode_load = DecodeLoad(budget, config.placement.stream_itl_s, chunk=chunk)
@@ -512,11 +514,13 @@ class PDScheduler:
             del self._placed_local[next(iter(self._placed_local))]
 
     def _decode_status(self) -> DecodeStatus | None:
-        """READ: our side of P's placement decisions, every PUBLISH_EVERY_S (decode_status.py)."""
+        """READ: our side of P's placement decisions, every PUBLISH_EVERY_S (decode_status.py).
+        WRITE: how loaded our streams are, for a P that serves whole requests while they are
+        (serve_gate.py), every STATUS_EVERY_S."""
         now = time.monotonic()
         if now < self._next_status:
             return None
-        self._next_status = now + PUBLISH_EVERY_S
+        self._next_status = now + self._status_every_s
         return status_of(self._decode_load.view(None), self._config.host_ip, self._config.handshake_port,
                          time.time(), self._placed_local)
 

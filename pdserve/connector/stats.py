@@ -17,7 +17,7 @@ from pdserve.connector.engine import TransferStats
 
 # What take_stats sends: the engine's TransferStats fields plus what the worker counts itself.
 _EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": [],
-          "placements": [], "prefill_queued_tokens": []}
+          "placements": [], "prefill_queued_tokens": [], "serving_decode": []}
 _EMPTY["peers_attached"] = []  # "shm" or "nixl" per peer incarnation attached (transport/nixl_auto.py)
 _LISTS = tuple(k for k, v in _EMPTY.items() if isinstance(v, list))  # one entry per event: concatenated
 _SUMMED = tuple(k for k in _EMPTY if k not in _LISTS)
@@ -74,7 +74,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
     `pdserve:placements_total{placement="remote",reason="eager"}`, one per leg it started before
     D's word (eager_prefill.py), and, with `serve_decode`,
     `pdserve:placements_total{placement="whole",reason="serve_decode"}`, one per request it served
-    whole (whole_requests.py)."""
+    whole (whole_requests.py), and `pdserve:serving_decode`, 1 while it offers itself to the router
+    as a decode instance (serve_gate.py; both gauges as of P's last step)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -108,6 +109,11 @@ class PDPromMetrics(KVConnectorPromMetrics):
                                  documentation="Prompt tokens this prefill instance accepted and has not computed.",
                                  multiprocess_mode="mostrecent")
         self._queued = create_metric_per_engine(queued, per_engine_labelvalues)
+        serving = self._gauge_cls(name="pdserve:serving_decode", labelnames=labelnames,
+                                  documentation="1 while this prefill instance also serves whole requests "
+                                                "(registered as a decode instance: serve_decode).",
+                                  multiprocess_mode="mostrecent")
+        self._serving = create_metric_per_engine(serving, per_engine_labelvalues)
         self._duration = histogram("pdserve:kv_transfer_duration_seconds",
                                    "Seconds from announce (WRITE) or hold (READ) to completion, per completed KV transfer.",
                                    DURATION_BUCKETS_S)
@@ -142,6 +148,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
         queue = transfer_stats_data.get("prefill_queued_tokens", [])
         if queue:
             self._queued[engine_idx].set(queue[-1])
+        serving = transfer_stats_data.get("serving_decode", [])
+        if serving:
+            self._serving[engine_idx].set(serving[-1])
 
     def _placement_child(self, engine_idx: int, label: str):
         key = (engine_idx, label)

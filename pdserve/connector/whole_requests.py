@@ -1,9 +1,10 @@
 """Whole requests on P: under adaptive placement with `serve_decode`, P serves some requests itself.
 
 Where decode is the bottleneck (decode-heavy traffic), P's spare capacity is wasted as long as it
-only prefills. With `serve_decode`, P registers with vllm-router as a decode instance too (one
-process may register as both, registration.py), so the router sends it a share of the decode
-legs. Such a request's two legs both land on P, and each names P as the other's instance:
+only prefills. With `serve_decode`, while D's streams are loaded (serve_gate.py), P registers
+with vllm-router as a decode instance too (one process may register as both, registration.py),
+so the router sends it a share of the decode legs. Such a request's two legs both land on P, and
+each names P as the other's instance:
 
 * its decode leg (`do_remote_prefill`) is, for a producer, a plain request: P prefills it locally
   and decodes it, as plain serving does (nothing to do here);

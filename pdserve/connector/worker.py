@@ -26,6 +26,8 @@ from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout, LayerPlacement, check_compatible, cpu_isa
 from pdserve.connector.metadata import StepPlan
 from pdserve.connector.peers import HandshakeResult
+from pdserve.connector.registration import RouterRegistration
+from pdserve.connector.serve_gate import ServeGate
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
 from pdserve.control.endpoint import Client, Server
@@ -77,6 +79,11 @@ class PDWorker:
         self._handshake_seconds: deque[float] = deque()  # appended by handshake threads, drained by take_stats
         self._placements: list[str] = []  # D: this interval's placement decisions, "placement:reason"
         self._prefill_queue: list[int] = []  # P: queued prompt tokens it published, latest last
+        # P, serve_decode: registered as a decode instance too while D's streams are loaded (serve_gate.py)
+        self._serve_gate = (ServeGate(config.placement.stream_itl_s)
+                            if config.role is Role.PRODUCER and config.placement.serve_decode else None)
+        self._decode_registration: RouterRegistration | None = None
+        self._reported_serving: bool | None = None
 
     # ---- startup ---------------------------------------------------------------------------
 
@@ -116,6 +123,8 @@ class PDWorker:
         self._engine = TransferEngine(self._config, self._layout, self._transport, self, self._handshake)
         self._idle_pump = IdlePump(self._engine.pump, self._engine_lock)
         self._idle_pump.start()
+        if self._serve_gate is not None and self._config.proxy_ip:
+            self._decode_registration = RouterRegistration(self._config, Role.CONSUMER, self._serve_gate.is_open)
         host = self._config.host_ip
         self._servers = [
             Server(host, self._config.handshake_port, self._codec, self._serve, "pdserve-handshake"),
@@ -147,6 +156,8 @@ class PDWorker:
             return Pong()
         if isinstance(message, TRANSFER_MESSAGES):
             self._faults.at(f"receive:{message.TAG}")
+            if self._serve_gate is not None and isinstance(message, DecodeStatus):
+                self._serve_gate.on_status(message)
             self._engine.on_message(envelope.sender, message)
         else:
             logger.warning("pdserve: ignoring a %s sent to a server port by %s", type(message).__name__, envelope.sender)
@@ -222,6 +233,8 @@ class PDWorker:
             engine.announce_start(spec)
         if meta.load is not None:
             engine.publish_load(meta.load)
+            if self._serve_gate is not None:
+                self._serve_gate.on_own_load(meta.load)
             if not self._prefill_queue or self._prefill_queue[-1] != meta.load.queued_tokens:
                 self._prefill_queue.append(meta.load.queued_tokens)
         if meta.status is not None:
@@ -276,15 +289,23 @@ class PDWorker:
         handshakes = [self._handshake_seconds.popleft() for _ in range(len(self._handshake_seconds))]
         placements, self._placements = self._placements, []
         queue, self._prefill_queue = self._prefill_queue[-1:], []
-        if not (stats.num_completed or stats.num_failed or new_rejections or handshakes or placements or queue):
+        serving = []
+        if self._serve_gate is not None and self._serve_gate.open != self._reported_serving:
+            self._reported_serving = self._serve_gate.open
+            serving = [int(self._reported_serving)]
+        if not (stats.num_completed or stats.num_failed or new_rejections or handshakes or placements or queue
+                or serving):
             return None
         self._engine.stats = type(stats)()
         recomputed = stats.num_failed if self._config.role is Role.CONSUMER and self._config.load_failure_policy == "recompute" else 0
         return {**dataclasses.asdict(stats), "num_rejected": new_rejections, "num_recomputed": recomputed,
                 "handshake_seconds": handshakes, "placements": placements, "prefill_queued_tokens": queue,
-                "peers_attached": self._transport.take_attached()}
+                "serving_decode": serving, "peers_attached": self._transport.take_attached()}
 
     def shutdown(self) -> None:
+        if self._decode_registration is not None:
+            self._decode_registration.stop()
+            self._decode_registration = None
         if self._idle_pump is not None:
             self._idle_pump.close()
         for server in self._servers:

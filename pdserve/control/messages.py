@@ -303,8 +303,9 @@ class PrefillLoad:
 @message("decode_status")
 @dataclass(frozen=True)
 class DecodeStatus:
-    """D -> P (adaptive placement, READ mode, where P decides): D's side of a placement decision,
-    measured at unix time `at` (connector/decode_status.py). `decode_host`:`decode_handshake_port`
+    """D -> P (adaptive placement): in READ mode, where P decides, D's side of a placement decision;
+    in WRITE mode, how loaded D's streams are, for a P that serves whole requests while they are
+    (connector/serve_gate.py). Measured at unix time `at` (connector/decode_status.py). `decode_host`:`decode_handshake_port`
     names the D (as the router's request id does). Costs are None until D has measured them."""
 
     decode_host: str

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import msgpack
 import zmq
@@ -24,14 +25,17 @@ _JOIN_DEADLINE_S = 2.0
 class RegistrationHeartbeat:
     """Sends `payload` to the router every `interval_s` seconds from a daemon thread, starting
     at once, until `stop()`. Messages that cannot be queued (router down) are dropped: the next
-    beat tries again."""
+    beat tries again. With `when`, a beat is sent only while `when()` is true (the router forgets
+    the instance ~5 s after the last one)."""
 
-    def __init__(self, router_host: str, router_port: int, payload: dict, interval_s: float = 1.0):
+    def __init__(self, router_host: str, router_port: int, payload: dict, interval_s: float = 1.0,
+                 when: Callable[[], bool] | None = None):
         if not isinstance(payload, dict):
             raise TypeError(f"registration payload must be a dict, got {type(payload).__name__}")
         self.router = tcp_endpoint(router_host, router_port)
         self.interval_s = interval_s
         self.num_sent = 0
+        self._when = when
         self._frame = msgpack.packb(payload, use_bin_type=True)
         self._context = zmq.Context()
         self._stop = threading.Event()
@@ -58,11 +62,21 @@ class RegistrationHeartbeat:
         socket.connect(self.router)
         try:
             while not self._stop.is_set():
-                try:
-                    socket.send(self._frame, zmq.NOBLOCK)
-                    self.num_sent += 1
-                except zmq.Again:
-                    logger.debug("registration to %s not queued (router unreachable?)", self.router)
+                if self._due():
+                    try:
+                        socket.send(self._frame, zmq.NOBLOCK)
+                        self.num_sent += 1
+                    except zmq.Again:
+                        logger.debug("registration to %s not queued (router unreachable?)", self.router)
                 self._stop.wait(self.interval_s)
         finally:
             socket.close(0)
+
+    def _due(self) -> bool:
+        if self._when is None:
+            return True
+        try:
+            return bool(self._when())
+        except Exception:  # a failing predicate must not kill the heartbeat: skip this beat
+            logger.exception("registration predicate failed")
+            return False

@@ -76,8 +76,9 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
                         "the mean_itl bound and bounds its steps by max_gap, or not at all without one "
                         "(instead of --itl-target-ms / --max-step-ms)")
     p.add_argument("--prefill-serves-decode", action="store_true",
-                   help="adaptive mode, one prefill instance: it registers with the router as a decode instance "
-                        "too and serves the requests sent to it whole (for decode-heavy traffic)")
+                   help="adaptive mode, one prefill instance: while decode's streams are loaded (their mean ITL "
+                        "near the ITL target) it registers with the router as a decode instance too and serves "
+                        "the requests sent to it whole (for decode-heavy traffic)")
     p.add_argument("--eager-prefill", action="store_true",
                    help="adaptive mode: a prefill instance with nothing queued starts a prefill leg before the "
                         "decode instance decided, and says so (saves the decision's wait; the decode instance "

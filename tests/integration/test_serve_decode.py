@@ -1,20 +1,31 @@
-"""P serving whole requests (serve_decode) through vllm-router, real vLLM (WRITE, adaptive): P
-registers as a decode instance too, so the router sends it a share of the decode legs. Those
-requests are prefilled and decoded on P, their prefill legs dropped; the rest go P -> D as usual.
-Every answer equals collocated serving and nothing is held or leaked afterwards."""
+"""P serving whole requests (serve_decode) through vllm-router, real vLLM (WRITE, adaptive): while
+D's streams are loaded (serve_gate.py), P registers as a decode instance too, so the router sends it
+a share of the decode legs. Those requests are prefilled and decoded on P, their prefill legs
+dropped; the rest go P -> D as usual. Every answer equals collocated serving, P stops taking decode
+legs once D is idle again, and nothing is held or leaked afterwards.
+
+The ITL target is set below what D's streams see on any machine (1 ms), so the gate's input is
+real (D's measured mean ITL, published over the control plane) and its outcome certain."""
 
 from __future__ import annotations
 
+import random
+import threading
+import time
+
 import pytest
+import requests
 
 from pdserve.compare import compare_greedy
-from tests.integration.pd_helpers import (collocated_reference, greedy, moved, pd_pair, prompts, snapshot,
-                                          wait_idle)
+from pdserve.connector.serve_gate import MIN_OPEN_S, STALE_S
+from tests.integration.pd_helpers import (collocated_reference, greedy, metric, metrics, model_name, moved,
+                                          pd_pair, prompts, snapshot, wait_idle)
 
 pytestmark = pytest.mark.integration
 
 PROMPTS = prompts()  # the connector correctness check's 40 prompts (the same reference as test_adaptive)
-SERVING = {"placement": "adaptive", "serve_decode": True}
+SERVING = {"placement": "adaptive", "serve_decode": True, "itl_target_ms": 1, "max_step_ms": 50}
+ROUTER_FORGETS_S = 8.0  # vllm-router drops an instance ~5-8 s after its last registration beat
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +39,58 @@ def serving(reference):
         yield cluster
 
 
-def test_p_serves_a_share_of_whole_requests_and_every_answer_equals_collocated(serving, reference):
+class BackgroundStreams:
+    """`width` clients sending short prompts with 48-token answers through the router until stopped:
+    D's streams stay loaded. Records every prompt's length (token-id prompts)."""
+
+    def __init__(self, cluster, width: int = 3):
+        self._url = f"{cluster.endpoint}/v1/completions"
+        self._model = model_name(cluster)
+        self._stop = threading.Event()
+        self.lengths: list[int] = []
+        self.errors: list[str] = []
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(width)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self._stop.is_set():
+            prompt = [rng.randrange(10, 4000) for _ in range(rng.randrange(8, 40))]
+            body = {"model": self._model, "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+            try:
+                response = requests.post(self._url, json=body, timeout=120)
+                if response.status_code != 200:
+                    self.errors.append(f"{response.status_code}: {response.text[:200]}")
+            except requests.RequestException as exc:
+                self.errors.append(str(exc))
+            self.lengths.append(len(prompt))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(150)
+            assert not thread.is_alive(), "a background client did not finish"
+
+
+def serving_decode(cluster) -> float:
+    return metric(metrics(cluster.prefill_url), "pdserve:serving_decode")
+
+
+def test_p_serves_a_share_of_whole_requests_while_d_is_loaded_and_every_answer_equals_collocated(serving,
+                                                                                              reference):
     before = snapshot(serving)
-    output = greedy(serving.endpoint, serving, PROMPTS)
+    background = BackgroundStreams(serving)
+    try:
+        deadline = time.monotonic() + 60
+        while serving_decode(serving) != 1:
+            assert time.monotonic() < deadline, "P never offered to serve whole requests with D's streams loaded"
+            time.sleep(0.5)
+        time.sleep(2.5)  # the router registers P as a decode instance at its next beat (1 s)
+        output = greedy(serving.endpoint, serving, PROMPTS)
+    finally:
+        background.stop()
+    assert not background.errors, background.errors[:3]
     result = compare_greedy(reference, output)
     print("serve_decode", result.summary())
     assert result.ok, result.mismatches()
@@ -39,9 +99,11 @@ def test_p_serves_a_share_of_whole_requests_and_every_answer_equals_collocated(s
     delta = lambda side, name, **labels: moved(before, after, side, name, **labels)  # noqa: E731
     whole = delta("p", "pdserve:placements_total", placement="whole", reason="serve_decode")
     on_d = delta("d", "pdserve:placements_total")
-    print(f"served whole on P: {whole:.0f}, decoded on D: {on_d:.0f}")
-    # the router picks the decode instance at random among two: fewer than 5 of 40 either way is ~1e-7
-    assert whole + on_d == len(PROMPTS) and whole >= 5 and on_d >= 5, (whole, on_d)
+    requests_sent = len(PROMPTS) + len(background.lengths)
+    print(f"requests: {requests_sent}, served whole on P: {whole:.0f}, decoded on D: {on_d:.0f}")
+    # while P is registered the router picks the decode instance at random among two: over the 40
+    # prompts alone, fewer than 5 either way is ~1e-7
+    assert whole + on_d == requests_sent and whole >= 5 and on_d >= 5, (whole, on_d)
     remote = delta("d", "pdserve:placements_total", placement="remote")
     assert delta("p", "pdserve:kv_transfers_completed_total") == remote
     assert delta("d", "pdserve:kv_transfers_completed_total") == remote
@@ -50,9 +112,23 @@ def test_p_serves_a_share_of_whole_requests_and_every_answer_equals_collocated(s
     # prompt twice for a request it served whole
     computed = delta("p", "vllm:prompt_tokens_by_source_total", source="local_compute") + \
         delta("d", "vllm:prompt_tokens_by_source_total", source="local_compute")
-    total = sum(len(p) for p in PROMPTS)
+    total = sum(len(p) for p in PROMPTS) + sum(background.lengths)
     print(f"prompt tokens: {total}, computed by P and D together: {computed:.0f}")
-    assert computed <= total + 2 * len(PROMPTS)
+    assert computed <= total + 2 * requests_sent
+
+
+def test_p_stops_taking_decode_legs_once_d_is_idle(serving):
+    # D idle: it publishes nothing, P's gate closes (STALE_S, after MIN_OPEN_S open), P stops its
+    # decode registration and the router forgets it
+    time.sleep(max(STALE_S + 1.0, MIN_OPEN_S - 5.0) + ROUTER_FORGETS_S)
+    before = snapshot(serving)
+    output = greedy(serving.endpoint, serving, PROMPTS[:10])
+    after = snapshot(serving)
+    assert len(output) == 10
+    whole = moved(before, after, "p", "pdserve:placements_total", placement="whole", reason="serve_decode")
+    assert whole == 0, f"P served {whole:.0f} of 10 requests whole with D idle"
+    assert moved(before, after, "d", "pdserve:placements_total") == 10  # every decode leg went to D
+    assert serving_decode(serving) == 0  # P's gauge, as of its steps for these legs
 
 
 def test_nothing_is_held_after_serving_whole_requests(serving):

@@ -11,6 +11,7 @@ import pytest
 from pdserve.config import Role, TransferMode
 from pdserve.connector.decode_status import status_of, view_of
 from pdserve.connector.metadata import WorkerNews
+from pdserve.connector.placement_inbox import PUBLISH_EVERY_S
 from pdserve.connector.placement import AdaptivePolicy, Decision, DecodeView, Placement, PlacementConfig, Reason
 from pdserve.connector.read_placement import HOLD_S, ReadPlacement, peer_key
 from pdserve.connector.scheduler import PDScheduler
@@ -254,6 +255,11 @@ def test_d_publishes_its_side_at_a_bounded_rate():
     first = s.scheduler.build_connector_meta(SchedulerOutput({}))
     assert isinstance(first.status, DecodeStatus) and first.status.decode_handshake_port == D_ADDRESS.handshake_port
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).status is None  # within PUBLISH_EVERY_S
+    # WRITE: D decides, and publishes its streams' load less often, for a P with serve_decode (serve_gate.py)
     write_d = Scheduler(PDScheduler(make_config("kv_consumer", TransferMode.WRITE, placement="adaptive"),
                                     BLOCK_SIZE, budget=64))
-    assert write_d.scheduler.build_connector_meta(SchedulerOutput({})).status is None  # WRITE: D decides
+    assert isinstance(write_d.scheduler.build_connector_meta(SchedulerOutput({})).status, DecodeStatus)
+    assert write_d.scheduler._next_status - time.monotonic() > 10 * PUBLISH_EVERY_S
+    assert write_d.scheduler.build_connector_meta(SchedulerOutput({})).status is None
+    static_d = Scheduler(PDScheduler(make_config("kv_consumer", TransferMode.WRITE), BLOCK_SIZE, budget=64))
+    assert static_d.scheduler.build_connector_meta(SchedulerOutput({})).status is None  # no placement, no status

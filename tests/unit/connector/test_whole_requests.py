@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench.budget import Budget
-from pdserve.config import TransferMode
+from pdserve.config import Role, TransferMode
 from pdserve.connector.registration import RouterRegistration
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.errors import ConfigError
@@ -58,19 +58,21 @@ def test_a_leg_for_another_decode_instance_still_waits_for_its_word():
     assert leg.num_prompt_tokens == 100 and len(s.scheduler.build_connector_meta(SchedulerOutput({})).awaits) == 1
 
 
-def test_p_registers_as_decode_instance_too_only_with_serve_decode():
-    def roles(**extra):
+def test_p_registers_as_its_role_and_with_serve_decode_as_decode_instance_too():
+    def registered(role=None, **extra):
         config = make_config("kv_producer", TransferMode.WRITE, proxy_ip="127.0.0.1", proxy_ping_port=1,
                              http_port=2, **extra)
-        registration = RouterRegistration(config)
+        registration = RouterRegistration(config, role, when=lambda: False)
         try:
-            return [(p["type"], p["zmq_address"]) for p in registration.payloads()]
+            payload = registration.payload()
+            return payload["type"], payload["zmq_address"]
         finally:
             registration.stop()
 
     zmq = "host:127.0.0.1,handshake:6301,notify:6401"
-    assert roles() == [("P", zmq)]
-    assert roles(placement="adaptive", serve_decode=True) == [("P", zmq), ("D", zmq)]
+    assert registered() == ("P", zmq)
+    # the worker half's registration, beating while its ServeGate is open (serve_gate.py)
+    assert registered(Role.CONSUMER, placement="adaptive", serve_decode=True) == ("D", zmq)
 
 
 def test_serve_decode_is_checked_at_the_edges():

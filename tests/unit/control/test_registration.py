@@ -50,3 +50,39 @@ def test_stop_is_prompt_even_when_the_router_is_down():
     start = time.monotonic()
     heartbeat.stop()
     assert time.monotonic() - start < 1
+
+
+def test_a_heartbeat_with_when_beats_only_while_it_is_true():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    beating = threading.Event()
+
+    def when() -> bool:
+        if not beating.is_set():
+            return False
+        raise RuntimeError("a failing predicate skips the beat")  # noqa: EM101
+
+    answers = iter([False, False, True, True, True])
+    heartbeat = RegistrationHeartbeat("127.0.0.1", port, PAYLOAD, interval_s=0.05,
+                                      when=lambda: next(answers, False))
+    try:
+        received = 0
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            if router.poll(50):
+                router.recv_multipart()
+                received += 1
+        assert received == heartbeat.num_sent == 3
+    finally:
+        heartbeat.stop()
+    failing = RegistrationHeartbeat("127.0.0.1", port, PAYLOAD, interval_s=0.05, when=when)
+    try:
+        beating.set()
+        time.sleep(0.3)
+        assert failing.num_sent == 0 and failing._thread.is_alive()
+    finally:
+        failing.stop()
+        router.close(0)
+        ctx.term()

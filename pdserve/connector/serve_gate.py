@@ -1,0 +1,81 @@
+"""ServeGate: whether a prefill instance with `serve_decode` offers itself to vllm-router as a
+decode instance right now.
+
+Serving whole requests on P (whole_requests.py) pays where decode is the bottleneck, and only
+there: a request P serves whole decodes beside P's prefill steps for D's legs, so while D's
+streams have room it costs those streams' neighbours on P, and D's legs P's time. So P registers
+as a decode instance only while D's streams are loaded, judged by what D publishes
+(`DecodeStatus`, every STATUS_EVERY_S in WRITE mode): the mean ITL D's streams saw over their last
+lifetime (`recent_itl_s`), against the ITL target of the placement config.
+
+* It opens when that mean ITL reaches OPEN_AT x the target on some decode instance, and P's own
+  queue is at most one step's budget (a P behind on D's legs has no time to give).
+* It closes when every decode instance's mean ITL is below CLOSE_AT x the target (or D says
+  nothing for STALE_S: an idle D publishes nothing), but not before it was open MIN_OPEN_S: the
+  router forgets a decode instance only ~5 s after its last heartbeat, so shorter spells would
+  only flap.
+
+The router then sends P a share of the decode legs (it picks the decode instance at random), and
+D's streams see fewer neighbours. Thread-safe: statuses come in on the control-plane server
+threads, P's load on the worker thread, `is_open` is asked by the heartbeat thread. Free of vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from pdserve.control.messages import DecodeStatus, PrefillLoad
+
+logger = logging.getLogger("pdserve.connector")
+
+OPEN_AT = 0.75  # x the ITL target: D's streams' recent mean ITL at which P starts serving whole requests
+CLOSE_AT = 0.55  # x the ITL target: below this on every decode instance, P stops
+MIN_OPEN_S = 10.0  # an open gate stays open at least this long
+STALE_S = 2.0  # a decode instance not heard from for this long counts as idle
+STATUS_EVERY_S = 0.5  # D publishes its status to P this often in WRITE mode (the gate's timescale is seconds)
+
+
+class ServeGate:
+    def __init__(self, itl_target_s: float, clock=time.monotonic):
+        if not itl_target_s > 0:
+            raise ValueError(f"itl_target_s must be positive, got {itl_target_s}")
+        self._itl_target_s = itl_target_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._heard: dict[tuple[str, int], tuple[float, float | None]] = {}  # D -> (received at, recent ITL)
+        self._own_load: PrefillLoad | None = None
+        self._opened_at: float | None = None
+        self.openings = 0
+
+    def on_status(self, status: DecodeStatus) -> None:
+        with self._lock:
+            self._heard[(status.decode_host, status.decode_handshake_port)] = (self._clock(), status.recent_itl_s)
+
+    def on_own_load(self, load: PrefillLoad) -> None:
+        self._own_load = load
+
+    @property
+    def open(self) -> bool:
+        """The state the last `is_open` left (for metrics)."""
+        return self._opened_at is not None
+
+    def is_open(self) -> bool:
+        """Decide now; the heartbeat thread asks before each beat."""
+        with self._lock:
+            now = self._clock()
+            itls = [itl for at, itl in self._heard.values() if now - at < STALE_S and itl is not None]
+            loaded = max(itls, default=0.0)
+            if self._opened_at is None:
+                own = self._own_load
+                if loaded >= OPEN_AT * self._itl_target_s and (own is None or own.queued_tokens <= own.budget):
+                    self._opened_at = now
+                    self.openings += 1
+                    logger.info("pdserve: serving whole requests too (decode's streams' mean ITL %.1f ms, "
+                                "target %.1f ms)", 1000 * loaded, 1000 * self._itl_target_s)
+            elif loaded < CLOSE_AT * self._itl_target_s and now - self._opened_at >= MIN_OPEN_S:
+                self._opened_at = None
+                logger.info("pdserve: prefill only again (decode's streams' mean ITL %.1f ms, target %.1f ms)",
+                            1000 * loaded, 1000 * self._itl_target_s)
+            return self._opened_at is not None

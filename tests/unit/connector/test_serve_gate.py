@@ -1,0 +1,95 @@
+"""ServeGate: P offers itself as a decode instance only while D's streams are loaded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.connector.serve_gate import CLOSE_AT, MIN_OPEN_S, OPEN_AT, STALE_S, ServeGate
+from pdserve.control.messages import DecodeStatus, PrefillLoad
+
+TARGET_S = 0.05
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def status(itl_s: float | None, port: int = 6302) -> DecodeStatus:
+    return DecodeStatus("127.0.0.1", port, running_decodes=4, local_backlog_tokens=0, budget=512, chunk=512,
+                        knows_prefill=True, stream_tokens=64.0, at=time.time(), recent_itl_s=itl_s)
+
+
+def own_load(queued: int) -> PrefillLoad:
+    return PrefillLoad("127.0.0.1", 6301, queued_tokens=queued, per_token_s=0.001, overhead_s=0.02, budget=512,
+                       at=time.time())
+
+
+def gate() -> tuple[ServeGate, Clock]:
+    clock = Clock()
+    return ServeGate(TARGET_S, clock=clock), clock
+
+
+def test_closed_until_d_reports_loaded_streams():
+    g, _ = gate()
+    assert not g.is_open() and not g.open  # nothing heard
+    g.on_status(status(None))  # no stream finished yet: no measure
+    assert not g.is_open()
+    g.on_status(status(OPEN_AT * TARGET_S * 0.95))
+    assert not g.is_open()
+    g.on_status(status(OPEN_AT * TARGET_S))
+    assert g.is_open() and g.open and g.openings == 1
+
+
+def test_any_loaded_decode_instance_opens_it():
+    g, _ = gate()
+    g.on_status(status(0.001, port=6302))
+    g.on_status(status(TARGET_S, port=6303))
+    assert g.is_open()
+
+
+def test_a_busy_p_does_not_open_it():
+    g, _ = gate()
+    g.on_own_load(own_load(513))  # more than one step of its budget queued: D's legs need P's time
+    g.on_status(status(TARGET_S))
+    assert not g.is_open()
+    g.on_own_load(own_load(512))
+    assert g.is_open()
+
+
+def test_stays_open_min_open_s_then_closes_below_close_at():
+    g, clock = gate()
+    g.on_status(status(TARGET_S))
+    assert g.is_open()
+    g.on_status(status(CLOSE_AT * TARGET_S * 0.9))
+    clock.now += MIN_OPEN_S - 0.1
+    g.on_status(status(CLOSE_AT * TARGET_S * 0.9))
+    assert g.is_open(), "no flapping: the router forgets a decode instance only seconds after its last beat"
+    clock.now += 0.2
+    g.on_status(status(CLOSE_AT * TARGET_S * 1.05))  # between the bounds: hysteresis keeps it open
+    assert g.is_open()
+    g.on_status(status(CLOSE_AT * TARGET_S * 0.9))
+    assert not g.is_open() and not g.open
+
+
+def test_a_silent_decode_instance_counts_as_idle():
+    g, clock = gate()
+    g.on_status(status(TARGET_S))
+    assert g.is_open()
+    clock.now += MIN_OPEN_S
+    g.on_status(status(TARGET_S))  # still loaded
+    assert g.is_open()
+    clock.now += STALE_S - 0.1
+    assert g.is_open()
+    clock.now += 0.1  # then nothing: an idle D publishes nothing
+    assert not g.is_open()
+
+
+def test_the_itl_target_must_be_positive():
+    with pytest.raises(ValueError, match="must be positive"):
+        ServeGate(0.0)
