@@ -172,11 +172,12 @@ class BenchPlan:
     def budgets(self, config: str) -> tuple[Budget, ...]:
         """The tuning candidates of ``config`` (``adaptive@NAME``: its own, else adaptive's); empty
         when it is not tuned."""
-        for name in (config, base_config(config)):
-            specs = next((specs for c, specs in self.candidates if c == name), None)
-            if specs is not None:
-                return tuple(Budget.parse(s) for s in specs)
-        return ()
+        return self.own_budgets(config) or self.own_budgets(base_config(config))
+
+    def own_budgets(self, config: str) -> tuple[Budget, ...]:
+        """The tuning candidates given for ``config`` by its own name (``--tune adaptive@tight=...``)."""
+        specs = next((specs for c, specs in self.candidates if c == config), ())
+        return tuple(Budget.parse(s) for s in specs)
 
     @property
     def tuning_slo(self) -> SLO:

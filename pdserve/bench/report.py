@@ -138,8 +138,8 @@ def _setup_items(plan: BenchPlan, calibration: Calibration | None, tune_log: Tun
         names = " and ".join(f"`{b}`" for b in bases)
         items.append("Declared SLOs (adaptive placement told the SLO it serves, `pdserve up --slo`): "
                      + "; ".join(declared) + f"; {names} declare{'s' if len(bases) == 1 else ''} none (default "
-                     f"bounds). Where {names} run{'s' if len(bases) == 1 else ''} too, the variants use the budget "
-                     "its tuning chose (a declared SLO is not a budget).")
+                     f"bounds). Where {names} run{'s' if len(bases) == 1 else ''} too, a variant without candidates "
+                     "of its own uses the budget its tuning chose (a declared SLO is not a budget).")
     tuned = [d for c in plan.configs if tune_log and (d := tune_log.describe(c))]
     if tuned:
         items.append(f"Tuning (same procedure for every tuned configuration, tuning stream at "

@@ -160,9 +160,9 @@ class Runner:
     # -- tuning -------------------------------------------------------------------------------
 
     def _tuned(self, plan: BenchPlan, config: str, progress: Progress) -> Budget:
-        if base_config(config) != config and base_config(config) in plan.configs:
-            # adaptive@NAME differs from adaptive in its declared SLO, not its budget: adaptive's tuning
-            # chooses the budget of both
+        if base_config(config) != config and base_config(config) in plan.configs and not plan.own_budgets(config):
+            # adaptive@NAME without candidates of its own differs from adaptive in its declared SLO, not
+            # its budget: adaptive's tuning chooses the budget of both
             return self._tuned(plan, base_config(config), progress)
         budgets = plan.budgets(config)
         if not budgets:

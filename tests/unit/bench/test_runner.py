@@ -278,4 +278,18 @@ def test_adaptive_declaring_an_slo_takes_the_budget_adaptive_was_tuned_to(tmp_pa
     ups = [(e[1], str(e[2])) for e in deployer.log if e[0] == "up"]
     assert ups == [("adaptive", "512"), ("adaptive", "512+serve"),  # tuned once, on adaptive's own deployments
                    ("adaptive@stall", "512+serve"), ("adaptive", "512+serve")]
-    assert "use the budget its tuning chose" in (tmp_path / "run" / "report.md").read_text()
+    assert "uses the budget its tuning chose" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_adaptive_declaring_an_slo_with_budgets_of_its_own_is_deployed_with_them(tmp_path, no_plots):
+    # `--tune adaptive=512+serve --tune adaptive@blog=512`: a paired comparison of +serve within one run
+    plan = synthetic.plan(configs=("adaptive", "adaptive@stall"),
+                          candidates=(("adaptive", ("512+serve",)), ("adaptive@stall", ("512",))))
+    deployer = FakeDeployer()
+    runner, progress = make(tmp_path, plan, deployer, FakeBench())
+    runner.run(progress)
+    ups = [(e[1], str(e[2])) for e in deployer.log if e[0] == "up"]
+    assert ups == [("adaptive", "512+serve"), ("adaptive@stall", "512")]
+    assert [str(b) for b in plan.own_budgets("adaptive@stall")] == ["512"] and plan.own_budgets("adaptive@blog") == ()
+    assert "Fixed budget (one candidate, not tuned): adaptive 512+serve, adaptive@stall 512." in \
+        (tmp_path / "run" / "report.md").read_text()
