@@ -5,12 +5,15 @@ Serving whole requests on P (whole_requests.py) pays where decode is the bottlen
 there: a request P serves whole decodes beside P's prefill steps for D's legs, so while D's
 streams have room it costs those streams' neighbours on P, and D's legs P's time. So P registers
 as a decode instance only while D's streams are loaded, judged by what D publishes
-(`DecodeStatus`, every STATUS_EVERY_S in WRITE mode): the mean ITL D's streams saw over their last
-lifetime (`recent_itl_s`), against the ITL target of the placement config.
+(`DecodeStatus`, every STATUS_EVERY_S in WRITE mode), against the ITL target of the placement
+config: how slowly D's streams advance (`streams_itl`), the larger of the mean ITL they saw over
+their last lifetime (`recent_itl_s`: it lags a stream's lifetime, ~25 s for 512-token answers) and
+the decode step D's fitted costs predict for the streams it runs now (it follows arrivals within a
+status; with costs not fitted yet, the mean alone).
 
-* It opens when that mean ITL reaches OPEN_AT x the target on some decode instance, and P's own
+* It opens when that ITL reaches OPEN_AT x the target on some decode instance, and P's own
   queue is at most one step's budget (a P behind on D's legs has no time to give).
-* It closes when every decode instance's mean ITL is below CLOSE_AT x the target (or D says
+* It closes when every decode instance's ITL is below CLOSE_AT x the target (or D says
   nothing for STALE_S: an idle D publishes nothing), but not before it was open MIN_OPEN_S: the
   router forgets a decode instance only ~5 s after its last heartbeat, so shorter spells would
   only flap.
@@ -51,7 +54,7 @@ class ServeGate:
 
     def on_status(self, status: DecodeStatus) -> None:
         with self._lock:
-            self._heard[(status.decode_host, status.decode_handshake_port)] = (self._clock(), status.recent_itl_s)
+            self._heard[(status.decode_host, status.decode_handshake_port)] = (self._clock(), streams_itl(status))
 
     def on_own_load(self, load: PrefillLoad) -> None:
         self._own_load = load
@@ -72,10 +75,19 @@ class ServeGate:
                 if loaded >= OPEN_AT * self._itl_target_s and (own is None or own.queued_tokens <= own.budget):
                     self._opened_at = now
                     self.openings += 1
-                    logger.info("pdserve: serving whole requests too (decode's streams' mean ITL %.1f ms, "
+                    logger.info("pdserve: serving whole requests too (decode's streams' ITL %.1f ms, "
                                 "target %.1f ms)", 1000 * loaded, 1000 * self._itl_target_s)
             elif loaded < CLOSE_AT * self._itl_target_s and now - self._opened_at >= MIN_OPEN_S:
                 self._opened_at = None
-                logger.info("pdserve: prefill only again (decode's streams' mean ITL %.1f ms, target %.1f ms)",
+                logger.info("pdserve: prefill only again (decode's streams' ITL %.1f ms, target %.1f ms)",
                             1000 * loaded, 1000 * self._itl_target_s)
             return self._opened_at is not None
+
+
+def streams_itl(status: DecodeStatus) -> float | None:
+    """How slowly a decode instance's streams advance: the larger of their recent mean ITL and the
+    decode-only step its fitted costs predict for the streams it runs now (None: neither known)."""
+    known = [status.recent_itl_s] if status.recent_itl_s is not None else []
+    if status.overhead_s is not None and status.per_decode_s is not None and status.running_decodes:
+        known.append(status.overhead_s + status.per_decode_s * status.running_decodes)
+    return max(known, default=None)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pdserve.connector.serve_gate import CLOSE_AT, MIN_OPEN_S, OPEN_AT, STALE_S, ServeGate
+from pdserve.connector.serve_gate import CLOSE_AT, MIN_OPEN_S, OPEN_AT, STALE_S, ServeGate, streams_itl
 from pdserve.control.messages import DecodeStatus, PrefillLoad
 
 TARGET_S = 0.05
@@ -93,3 +93,19 @@ def test_a_silent_decode_instance_counts_as_idle():
 def test_the_itl_target_must_be_positive():
     with pytest.raises(ValueError, match="must be positive"):
         ServeGate(0.0)
+
+
+def test_the_step_d_predicts_for_its_running_streams_opens_it_before_any_stream_finished():
+    # 10 streams at 2 ms each on 15 ms a step: 35 ms, 0.7 of the target; 12 streams: 39 ms, 0.78
+    def predicted(running: int, recent: float | None = None) -> DecodeStatus:
+        return DecodeStatus("127.0.0.1", 6302, running_decodes=running, local_backlog_tokens=0, budget=512,
+                            chunk=512, knows_prefill=True, stream_tokens=512.0, at=time.time(),
+                            overhead_s=0.015, per_token_s=0.0001, per_decode_s=0.002, recent_itl_s=recent)
+
+    assert streams_itl(predicted(0)) is None and streams_itl(predicted(12)) == pytest.approx(0.039)
+    assert streams_itl(predicted(10, recent=0.045)) == pytest.approx(0.045)  # the larger of the two
+    g, _ = gate()
+    g.on_status(predicted(10))
+    assert not g.is_open()
+    g.on_status(predicted(12))
+    assert g.is_open()
