@@ -1,7 +1,8 @@
 """A representative part of the fault matrix (pdserve.faults.matrix) on real vLLM, both modes:
 the restarts that once returned 200 with wrong tokens (READ: P restarted at the same address;
-WRITE: D restarted), a lost control message, a copy that fails, and a copy queue slower than
-release_grace. The whole matrix runs as scripts/fault_matrix.py (results in benchmarks/)."""
+WRITE: D restarted), a copy that fails, and a copy queue slower than release_grace. The whole
+matrix (lost, late, duplicated and reordered control messages, kills, preemption) runs as
+scripts/fault_matrix.py, its results in benchmarks/fault-matrix/."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.integration
 
 PORTS = {"write": 26100, "read": 26200}
 CELLS = {
-    "write": ["decode restarted", "drop remote_blocks", "copy queue slower than release_grace"],
-    "read": ["prefill restarted", "drop read_ack", "copy fails mid-layer"],
+    "write": ["decode restarted", "copy queue slower than release_grace"],
+    "read": ["prefill restarted", "copy fails mid-layer"],
 }
 PROMPTS = prompts(8, seed=21)
 
@@ -57,7 +58,7 @@ def matrix(request, reference):
             yield m
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", range(2))
 def test_fault_cell(matrix, index):
     name = CELLS[matrix.mode][index]
     cell = next(c for c in cells(matrix.mode) if c.name == name)
