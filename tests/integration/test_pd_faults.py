@@ -1,5 +1,7 @@
-"""PD faults, both modes, real vLLM: bytes corrupted in flight change the output (so the KV really
-is used, and the correctness check can fail), and D killed during transfers leaves P clean.
+"""PD faults, real vLLM: bytes corrupted in flight change the output in both modes (so the KV really
+is used, and the correctness check can fail), and D killed during transfers leaves P clean (WRITE,
+where P holds a prompt's KV longest: until D's block ids come; READ's D-killed cell runs in
+scripts/fault_matrix.py, its results in benchmarks/fault-matrix/).
 
 One cluster per mode, started with the test-only `test_corrupt_transfers` switch; the last test
 kills D.
@@ -56,6 +58,7 @@ def test_corrupted_bytes_change_the_output(corrupted, reference):
     assert done == len(PROMPTS)  # the transfers "succeeded": only the bytes were wrong
 
 
+@pytest.mark.parametrize("corrupted", ["write"], indirect=True)
 def test_decode_killed_during_transfers_leaves_prefill_clean(corrupted, reference):
     """Last test of the module: D is frozen (SIGSTOP) while requests arrive, so P prefills them and
     holds their KV for D (WRITE: waiting for D's block ids; READ: waiting for D's read); then D is
