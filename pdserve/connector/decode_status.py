@@ -2,8 +2,8 @@
 
 In READ mode vllm-router sends a request's decode leg only after its prefill leg returned, so P
 decides placement (read_placement.py) and D publishes its view to P, as P publishes its queue to
-D in WRITE mode. In WRITE mode D publishes it too, less often: a P with serve_decode reads its
-streams' mean ITL from it (serve_gate.py). Free of vLLM.
+D in WRITE mode. In WRITE mode D publishes it too, less often: a P with serve_decode judges its
+streams' load from it (mean ITL, running streams, step costs: serve_gate.py). Free of vLLM.
 """
 
 from __future__ import annotations
