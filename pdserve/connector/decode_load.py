@@ -3,7 +3,8 @@
 Tracks the prompts D decided to prefill itself (their uncomputed tokens are its local backlog),
 the prompts it sent to each P whose KV has not landed, the decodes of its last step, its step
 costs, the mean ITL its streams saw over the last stream lifetime (the mean output length of its
-finished requests x the ITL target: the decode-weighted mean of its step times), and the latest
+finished requests x the ITL target: the decode-weighted mean of its step times) and over the last
+NOW_SPAN_S (how loaded its streams are now, for serve_gate.py), and the latest
 load each P published. Free of vLLM (requests are read through
 `num_prompt_tokens` / `num_computed_tokens` only).
 """
@@ -35,6 +36,7 @@ def uncomputed_prompt_tokens(requests: dict) -> int:
 STREAM_WEIGHT = 0.05  # of each finished request in the mean output length
 CHUNK_WEIGHT = 0.2  # of each local chunk step in the measured cost of a prompt token
 MAX_SPAN_S = 120.0  # steps longer ago than this are forgotten
+NOW_SPAN_S = 2.0  # the span of `now_itl`: a few of D's status periods, short beside a stream's life
 
 
 class DecodeLoad:
@@ -99,8 +101,15 @@ class DecodeLoad:
     def recent_itl(self) -> float | None:
         """The mean time between two tokens of D's streams over the last stream lifetime (None: no
         stream finished yet, or no token in that span)."""
+        return self._mean_itl(self._stream_tokens * self._itl_target_s)
+
+    def now_itl(self) -> float | None:
+        """The mean time between two tokens of D's streams over the last NOW_SPAN_S (None: no token
+        in that span): follows D's load within seconds, where the lifetime mean lags it by a life."""
+        return self._mean_itl(NOW_SPAN_S)
+
+    def _mean_itl(self, span: float) -> float | None:
         now = self._clock()
-        span = self._stream_tokens * self._itl_target_s
         tokens, weighted = 0, 0.0
         for when, seconds, decodes in reversed(self._steps):  # newest first: stop at the span's start
             if now - when >= span:
@@ -133,4 +142,4 @@ class DecodeLoad:
         outstanding = sum(tokens for p, tokens in self._remote.values() if p == key)
         return DecodeView(self.running_decodes, self.local_backlog(), outstanding, self.budget,
                           self.costs.coefficients(), self.costs.knows_prefill, self.recent_itl(),
-                          self._stream_tokens, self.chunk, self._prefill_token_s)
+                          self._stream_tokens, self.chunk, self._prefill_token_s, self.now_itl())

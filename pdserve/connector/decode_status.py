@@ -3,7 +3,7 @@
 In READ mode vllm-router sends a request's decode leg only after its prefill leg returned, so P
 decides placement (read_placement.py) and D publishes its view to P, as P publishes its queue to
 D in WRITE mode. In WRITE mode D publishes it too, less often: a P with serve_decode judges its
-streams' load from it (mean ITL, running streams, step costs: serve_gate.py). Free of vLLM.
+streams' load from it (mean ITL over the last seconds, running streams, step costs: serve_gate.py). Free of vLLM.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def status_of(view: DecodeView, host: str, handshake_port: int, at: float,
         overhead_s=costs.overhead_s if costs else None,
         per_token_s=costs.per_prefill_token_s if costs else None,
         per_decode_s=costs.per_decode_s if costs else None,
-        recent_itl_s=view.recent_itl_s, prefill_token_s=view.prefill_token_s)
+        recent_itl_s=view.recent_itl_s, prefill_token_s=view.prefill_token_s, now_itl_s=view.now_itl_s)
 
 
 def view_of(status: DecodeStatus, sent_local_tokens: int = 0) -> DecodeView:
@@ -35,4 +35,4 @@ def view_of(status: DecodeStatus, sent_local_tokens: int = 0) -> DecodeView:
         costs = Coefficients(status.overhead_s, status.per_token_s, status.per_decode_s)
     return DecodeView(status.running_decodes, status.local_backlog_tokens + sent_local_tokens, 0, status.budget,
                       costs, status.knows_prefill, status.recent_itl_s, status.stream_tokens, status.chunk,
-                      status.prefill_token_s)
+                      status.prefill_token_s, status.now_itl_s)

@@ -203,6 +203,7 @@ class DecodeView:
     stream_tokens: float = 0.0  # mean output tokens of D's finished requests (0: none finished yet)
     chunk: int = 0  # the most tokens of local prefill D computes in a step, the cap of local_chunk.py (0: budget)
     prefill_token_s: float | None = None  # what one prompt token added to D's chunk steps, measured (None: none yet)
+    now_itl_s: float | None = None  # mean ITL of D's streams over the last few seconds (None: no token in them)
 
 
 class PlacementPolicy(Protocol):

@@ -6,10 +6,11 @@ there: a request P serves whole decodes beside P's prefill steps for D's legs, s
 streams have room it costs those streams' neighbours on P, and D's legs P's time. So P registers
 as a decode instance only while D's streams are loaded, judged by what D publishes
 (`DecodeStatus`, every STATUS_EVERY_S in WRITE mode), against the ITL target of the placement
-config: how slowly D's streams advance (`streams_itl`), the larger of the mean ITL they saw over
-their last lifetime (`recent_itl_s`: it lags a stream's lifetime, ~25 s for 512-token answers) and
-the decode step D's fitted costs predict for the streams it runs now (it follows arrivals within a
-status; with costs not fitted yet, the mean alone).
+config: how slowly D's streams advance now (`streams_itl`), the larger of the mean ITL they saw
+over the last few seconds (`now_itl_s`) and the decode step D's fitted costs predict for the
+streams it runs now (it follows arrivals within a status). Not the mean over a stream's lifetime
+(`recent_itl_s`, what placement weighs): it lags D's load by a lifetime (~25 s for 512-token
+answers), so a D that idled after a loaded spell would reopen the gate with its first new stream.
 
 * It opens when that ITL reaches OPEN_AT x the target on some decode instance, and P's own
   queue is at most one step's budget (a P behind on D's legs has no time to give).
@@ -33,7 +34,7 @@ from pdserve.control.messages import DecodeStatus, PrefillLoad
 
 logger = logging.getLogger("pdserve.connector")
 
-OPEN_AT = 0.75  # x the ITL target: D's streams' recent mean ITL at which P starts serving whole requests
+OPEN_AT = 0.75  # x the ITL target: D's streams' ITL now at which P starts serving whole requests
 CLOSE_AT = 0.55  # x the ITL target: below this on every decode instance, P stops
 MIN_OPEN_S = 10.0  # an open gate stays open at least this long
 STALE_S = 2.0  # a decode instance not heard from for this long counts as idle
@@ -85,9 +86,10 @@ class ServeGate:
 
 
 def streams_itl(status: DecodeStatus) -> float | None:
-    """How slowly a decode instance's streams advance: the larger of their recent mean ITL and the
-    decode-only step its fitted costs predict for the streams it runs now (None: neither known)."""
-    known = [status.recent_itl_s] if status.recent_itl_s is not None else []
+    """How slowly a decode instance's streams advance now: the larger of their mean ITL over the
+    last few seconds and the decode-only step its fitted costs predict for the streams it runs now
+    (None: neither known, as for a D with no stream)."""
+    known = [status.now_itl_s] if status.now_itl_s is not None else []
     if status.overhead_s is not None and status.per_decode_s is not None and status.running_decodes:
         known.append(status.overhead_s + status.per_decode_s * status.running_decodes)
     return max(known, default=None)

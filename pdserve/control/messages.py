@@ -323,6 +323,7 @@ class DecodeStatus:
     per_decode_s: float | None = None
     recent_itl_s: float | None = None
     prefill_token_s: float | None = None
+    now_itl_s: float | None = None
 
     def validate(self) -> None:
         _check(0 < len(self.decode_host) <= 255, type(self), "decode_host must be a host name")
@@ -341,7 +342,7 @@ class DecodeStatus:
         costs = (self.overhead_s, self.per_token_s, self.per_decode_s)
         _check(all(c is None for c in costs) or all(c is not None for c in costs), type(self),
                "overhead_s, per_token_s and per_decode_s are given together or not at all")
-        for name in ("overhead_s", "per_token_s", "per_decode_s", "recent_itl_s", "prefill_token_s"):
+        for name in ("overhead_s", "per_token_s", "per_decode_s", "recent_itl_s", "prefill_token_s", "now_itl_s"):
             value = getattr(self, name)
             _check(value is None or math.isfinite(value) and -60 < value < 60, type(self),
                    f"{name} {value} is not a cost in seconds")

@@ -312,6 +312,22 @@ def test_decode_load_measures_its_streams_mean_itl_over_one_stream_life():
     assert decode_load.recent_itl() is None
 
 
+def test_decode_load_measures_its_streams_mean_itl_over_the_last_seconds():
+    from pdserve.connector.decode_load import NOW_SPAN_S, DecodeLoad
+    now = [0.0]
+    decode_load = DecodeLoad(64, itl_target_s=0.05, clock=lambda: now[0])
+    assert decode_load.now_itl() is None  # no token yet
+    decode_load.on_step(0.040, 8)  # a loaded spell
+    decode_load.on_finished(512)  # its streams live ~25 s at the target
+    now[0] = NOW_SPAN_S + 5.0
+    decode_load.on_step(0.010, 1)  # one light stream after an idle spell
+    assert decode_load.now_itl() == pytest.approx(0.010)
+    assert decode_load.recent_itl() == pytest.approx((8 * 0.040 + 0.010) / 9)  # the lifetime mean remembers
+    assert decode_load.view(None).now_itl_s == pytest.approx(0.010)
+    now[0] += NOW_SPAN_S
+    assert decode_load.now_itl() is None
+
+
 def test_decode_load_counts_the_next_steps_streams_and_measures_a_chunks_token_cost():
     from types import SimpleNamespace
 

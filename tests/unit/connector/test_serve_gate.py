@@ -22,7 +22,7 @@ class Clock:
 
 def status(itl_s: float | None, port: int = 6302) -> DecodeStatus:
     return DecodeStatus("127.0.0.1", port, running_decodes=4, local_backlog_tokens=0, budget=512, chunk=512,
-                        knows_prefill=True, stream_tokens=64.0, at=time.time(), recent_itl_s=itl_s)
+                        knows_prefill=True, stream_tokens=64.0, at=time.time(), now_itl_s=itl_s)
 
 
 def own_load(queued: int) -> PrefillLoad:
@@ -97,15 +97,30 @@ def test_the_itl_target_must_be_positive():
 
 def test_the_step_d_predicts_for_its_running_streams_opens_it_before_any_stream_finished():
     # 10 streams at 2 ms each on 15 ms a step: 35 ms, 0.7 of the target; 12 streams: 39 ms, 0.78
-    def predicted(running: int, recent: float | None = None) -> DecodeStatus:
+    def predicted(running: int, now: float | None = None) -> DecodeStatus:
         return DecodeStatus("127.0.0.1", 6302, running_decodes=running, local_backlog_tokens=0, budget=512,
                             chunk=512, knows_prefill=True, stream_tokens=512.0, at=time.time(),
-                            overhead_s=0.015, per_token_s=0.0001, per_decode_s=0.002, recent_itl_s=recent)
+                            overhead_s=0.015, per_token_s=0.0001, per_decode_s=0.002, now_itl_s=now)
 
     assert streams_itl(predicted(0)) is None and streams_itl(predicted(12)) == pytest.approx(0.039)
-    assert streams_itl(predicted(10, recent=0.045)) == pytest.approx(0.045)  # the larger of the two
+    assert streams_itl(predicted(10, now=0.045)) == pytest.approx(0.045)  # the larger of the two
     g, _ = gate()
     g.on_status(predicted(10))
     assert not g.is_open()
     g.on_status(predicted(12))
     assert g.is_open()
+
+
+def test_a_loaded_past_does_not_reopen_it_for_a_lightly_loaded_present():
+    # D idled after a loaded spell: its lifetime mean still remembers the spell, its streams now do not
+    g, clock = gate()
+    g.on_status(status(TARGET_S))
+    assert g.is_open()
+    clock.now += MIN_OPEN_S + STALE_S
+    assert not g.is_open()  # nothing heard: D idle
+    light = DecodeStatus("127.0.0.1", 6302, running_decodes=1, local_backlog_tokens=0, budget=512, chunk=512,
+                         knows_prefill=True, stream_tokens=512.0, at=time.time(), overhead_s=0.010,
+                         per_token_s=0.0001, per_decode_s=0.002, recent_itl_s=TARGET_S, now_itl_s=0.012)
+    assert streams_itl(light) == pytest.approx(0.012)
+    g.on_status(light)
+    assert not g.is_open()
