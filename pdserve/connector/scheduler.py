@@ -23,6 +23,7 @@ from pdserve.connector.local_chunk import MIN_CHUNK, chunk_tokens, threshold
 from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
 from pdserve.connector.placement import AdaptivePolicy, Decision, Placement, Reason, make_policy
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
+from pdserve.connector.prefill_share import PrefillShare
 from pdserve.connector.placement_inbox import PUBLISH_EVERY_S
 from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.connector.read_placement import ReadPlacement, next_step_seconds, peer_key
@@ -66,6 +67,7 @@ class PDScheduler:
         self._read = (ReadPlacement(self._policy, peer_key(config.host_ip, config.handshake_port))
                       if producer and not write else None)
         self._costs = StepCosts()
+        self._prefill_share = PrefillShare()  # P: its time in prefill steps (published in its load, serve_gate.py)
         self._accepted: dict[str, Any] = {}  # legs D wants prefilled here, until their prompt is computed
         self._whole: dict[str, Any] = {}  # requests served whole here (not legs), until their prompt is computed
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
@@ -173,6 +175,8 @@ class PDScheduler:
             (self._decode_load.costs if consumer else self._costs).observe(took, prefill, decodes)
             if consumer:
                 self._decode_load.on_step(took, decodes, prefill)
+            else:
+                self._prefill_share.on_step(started, took, prefill, decodes)
             self._step = None
 
     @guarded()
@@ -318,7 +322,8 @@ class PDScheduler:
             return None
         queued = uncomputed_prompt_tokens(self._accepted) + uncomputed_prompt_tokens(self._whole)
         return PrefillLoad(self._config.host_ip, self._config.handshake_port, queued, costs.per_prefill_token_s,
-                           costs.overhead_s, self._step_prefill, time.time())
+                           costs.overhead_s, self._step_prefill, time.time(), self._prefill_share.share(),
+                           self._prefill_share.streams())
 
     def _track_send(self, request) -> None:
         rid = request.request_id

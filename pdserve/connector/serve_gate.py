@@ -12,12 +12,17 @@ streams it runs now (it follows arrivals within a status). Not the mean over a s
 (`recent_itl_s`, what placement weighs): it lags D's load by a lifetime (~25 s for 512-token
 answers), so a D that idled after a loaded spell would reopen the gate with its first new stream.
 
-* It opens when that ITL reaches OPEN_AT x the target on some decode instance, and P's own
-  queue is at most one step's budget (a P behind on D's legs has no time to give).
-* It closes when every decode instance's ITL is below CLOSE_AT x the target (or D says
-  nothing for STALE_S: an idle D publishes nothing), but not before it was open MIN_OPEN_S: the
-  router forgets a decode instance only ~5 s after its last heartbeat, so shorter spells would
-  only flap.
+* It opens when that ITL reaches OPEN_AT x the target on some decode instance and P has room:
+  its queue is at most one step's budget (a P behind on D's legs has no time to give), it spent
+  at most MAX_PREFILL_SHARE of the last seconds in prefill steps (`PrefillLoad.prefill_share`),
+  and a stream it took now would advance faster than D's do (`p_stream_itl`: D's fitted decode
+  step for P's streams and one more, stretched by P's prefill steps). So on decode-heavy traffic,
+  where P idles between short prompts, it opens with D's first few streams; on prefill-heavy
+  traffic, where P's time is D's legs', it stays shut.
+* It closes when every decode instance's ITL is below CLOSE_AT x the target (or D says nothing
+  for STALE_S: an idle D publishes nothing), or P's prefill share rises past MAX_PREFILL_SHARE,
+  but not before it was open MIN_OPEN_S: the router forgets a decode instance only ~5 s after its
+  last heartbeat, so shorter spells would only flap.
 
 The router then sends P a share of the decode legs (it picks the decode instance at random), and
 D's streams see fewer neighbours. Thread-safe: statuses come in on the control-plane server
@@ -34,8 +39,9 @@ from pdserve.control.messages import DecodeStatus, PrefillLoad
 
 logger = logging.getLogger("pdserve.connector")
 
-OPEN_AT = 0.75  # x the ITL target: D's streams' ITL now at which P starts serving whole requests
-CLOSE_AT = 0.55  # x the ITL target: below this on every decode instance, P stops
+OPEN_AT = 0.5  # x the ITL target: D's streams' ITL now from which P may serve whole requests
+CLOSE_AT = 0.35  # x the ITL target: below this on every decode instance, P stops
+MAX_PREFILL_SHARE = 0.5  # P spending more of its time in prefill steps keeps it for D's legs
 MIN_OPEN_S = 10.0  # an open gate stays open at least this long
 STALE_S = 2.0  # a decode instance not heard from for this long counts as idle
 STATUS_EVERY_S = 0.5  # D publishes its status to P this often in WRITE mode (the gate's timescale is seconds)
@@ -48,14 +54,14 @@ class ServeGate:
         self._itl_target_s = itl_target_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._heard: dict[tuple[str, int], tuple[float, float | None]] = {}  # D -> (received at, recent ITL)
+        self._heard: dict[tuple[str, int], tuple[float, float | None, DecodeStatus]] = {}  # D -> (received at, ITL, status)
         self._own_load: PrefillLoad | None = None
         self._opened_at: float | None = None
         self.openings = 0
 
     def on_status(self, status: DecodeStatus) -> None:
         with self._lock:
-            self._heard[(status.decode_host, status.decode_handshake_port)] = (self._clock(), streams_itl(status))
+            self._heard[(status.decode_host, status.decode_handshake_port)] = (self._clock(), streams_itl(status), status)
 
     def on_own_load(self, load: PrefillLoad) -> None:
         self._own_load = load
@@ -69,20 +75,35 @@ class ServeGate:
         """Decide now; the heartbeat thread asks before each beat."""
         with self._lock:
             now = self._clock()
-            itls = [itl for at, itl in self._heard.values() if now - at < STALE_S and itl is not None]
-            loaded = max(itls, default=0.0)
+            fresh = [(itl, status) for at, itl, status in self._heard.values() if now - at < STALE_S and itl is not None]
+            loaded, busiest = max(fresh, key=lambda pair: pair[0], default=(0.0, None))
+            own = self._own_load
+            prefill_bound = own is not None and own.prefill_share > MAX_PREFILL_SHARE
             if self._opened_at is None:
-                own = self._own_load
-                if loaded >= OPEN_AT * self._itl_target_s and (own is None or own.queued_tokens <= own.budget):
+                room = own is None or (own.queued_tokens <= own.budget and not prefill_bound
+                                       and p_stream_itl(own, busiest) < loaded)
+                if loaded >= OPEN_AT * self._itl_target_s and room:
                     self._opened_at = now
                     self.openings += 1
-                    logger.info("pdserve: serving whole requests too (decode's streams' ITL %.1f ms, "
-                                "target %.1f ms)", 1000 * loaded, 1000 * self._itl_target_s)
-            elif loaded < CLOSE_AT * self._itl_target_s and now - self._opened_at >= MIN_OPEN_S:
+                    logger.info("pdserve: serving whole requests too (decode's streams' ITL %.1f ms, target %.1f ms; "
+                                "prefill share %.2f)", 1000 * loaded, 1000 * self._itl_target_s,
+                                own.prefill_share if own else 0.0)
+            elif (loaded < CLOSE_AT * self._itl_target_s or prefill_bound) and now - self._opened_at >= MIN_OPEN_S:
                 self._opened_at = None
-                logger.info("pdserve: prefill only again (decode's streams' ITL %.1f ms, target %.1f ms)",
-                            1000 * loaded, 1000 * self._itl_target_s)
+                logger.info("pdserve: prefill only again (decode's streams' ITL %.1f ms, target %.1f ms; "
+                            "prefill share %.2f)", 1000 * loaded, 1000 * self._itl_target_s,
+                            own.prefill_share if own else 0.0)
             return self._opened_at is not None
+
+
+def p_stream_itl(own: PrefillLoad, status: DecodeStatus | None) -> float:
+    """The ITL a stream P took now would see: the decode step of P's streams and one more, by D's
+    fitted costs (the same model on like cores), stretched by the share of time P spends in steps
+    with prompt tokens (0 where D's costs are not known yet: no objection)."""
+    if status is None or status.overhead_s is None or status.per_decode_s is None:
+        return 0.0
+    step = status.overhead_s + status.per_decode_s * (own.decodes + 1)
+    return step / max(1.0 - own.prefill_share, 0.1)
 
 
 def streams_itl(status: DecodeStatus) -> float | None:

@@ -288,6 +288,8 @@ class PrefillLoad:
     overhead_s: float
     budget: int
     at: float
+    prefill_share: float = 0.0  # of the last few seconds, the share P spent in steps with prompt tokens (connector/prefill_share.py)
+    decodes: int = 0  # streams P decodes itself (requests it serves whole), as of its latest step
 
     def validate(self) -> None:
         _check(0 < len(self.prefill_host) <= 255, type(self), "prefill_host must be a host name")
@@ -298,6 +300,9 @@ class PrefillLoad:
             value = getattr(self, name)
             _check(math.isfinite(value) and 0 <= value < 60, type(self), f"{name} {value} is not a cost in seconds")
         _check(math.isfinite(self.at), type(self), "at must be a finite unix time")
+        _check(math.isfinite(self.prefill_share) and 0 <= self.prefill_share <= 1, type(self),
+               f"prefill_share {self.prefill_share} is not a share in [0, 1]")
+        _check(0 <= self.decodes < 1 << 40, type(self), f"decodes {self.decodes} out of range")
 
 
 @message("decode_status")

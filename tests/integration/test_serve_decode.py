@@ -43,7 +43,7 @@ class BackgroundStreams:
     """`width` clients sending short prompts with 48-token answers through the router until stopped:
     D's streams stay loaded. Records every prompt's length (token-id prompts)."""
 
-    def __init__(self, cluster, width: int = 3):
+    def __init__(self, cluster, width: int = 6):
         self._url = f"{cluster.endpoint}/v1/completions"
         self._model = model_name(cluster)
         self._stop = threading.Event()

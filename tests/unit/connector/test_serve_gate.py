@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from pdserve.connector.serve_gate import CLOSE_AT, MIN_OPEN_S, OPEN_AT, STALE_S, ServeGate, streams_itl
+from pdserve.connector.serve_gate import (CLOSE_AT, MAX_PREFILL_SHARE, MIN_OPEN_S, OPEN_AT, STALE_S, ServeGate,
+                                         p_stream_itl, streams_itl)
 from pdserve.control.messages import DecodeStatus, PrefillLoad
 
 TARGET_S = 0.05
@@ -95,20 +96,55 @@ def test_the_itl_target_must_be_positive():
         ServeGate(0.0)
 
 
-def test_the_step_d_predicts_for_its_running_streams_opens_it_before_any_stream_finished():
-    # 10 streams at 2 ms each on 15 ms a step: 35 ms, 0.7 of the target; 12 streams: 39 ms, 0.78
-    def predicted(running: int, now: float | None = None) -> DecodeStatus:
-        return DecodeStatus("127.0.0.1", 6302, running_decodes=running, local_backlog_tokens=0, budget=512,
-                            chunk=512, knows_prefill=True, stream_tokens=512.0, at=time.time(),
-                            overhead_s=0.015, per_token_s=0.0001, per_decode_s=0.002, now_itl_s=now)
+def predicted(running: int, now: float | None = None) -> DecodeStatus:
+    """D running `running` streams, its fitted step 15 ms + 2 ms a stream."""
+    return DecodeStatus("127.0.0.1", 6302, running_decodes=running, local_backlog_tokens=0, budget=512,
+                        chunk=512, knows_prefill=True, stream_tokens=512.0, at=time.time(),
+                        overhead_s=0.015, per_token_s=0.0001, per_decode_s=0.002, now_itl_s=now)
 
+
+def test_the_step_d_predicts_for_its_running_streams_opens_it_before_any_stream_finished():
+    # OPEN_AT x 50 ms = 25 ms: 4 streams predict 23 ms, 6 streams 27 ms
     assert streams_itl(predicted(0)) is None and streams_itl(predicted(12)) == pytest.approx(0.039)
     assert streams_itl(predicted(10, now=0.045)) == pytest.approx(0.045)  # the larger of the two
     g, _ = gate()
-    g.on_status(predicted(10))
+    g.on_status(predicted(4))
     assert not g.is_open()
-    g.on_status(predicted(12))
+    g.on_status(predicted(6))
     assert g.is_open()
+
+
+def test_p_opens_only_where_a_stream_it_took_would_advance_faster_than_ds():
+    # D: 6 streams, 27 ms a token. P idle between short prompts (share 0.1): a stream there, 17 ms / 0.9
+    load = lambda share, decodes: PrefillLoad("127.0.0.1", 6301, queued_tokens=0, per_token_s=0.001,  # noqa: E731
+                                              overhead_s=0.02, budget=512, at=time.time(), prefill_share=share,
+                                              decodes=decodes)
+    assert p_stream_itl(load(0.1, 0), predicted(6)) == pytest.approx(0.017 / 0.9)
+    g, _ = gate()
+    g.on_own_load(load(0.1, 6))  # but P already runs 6 streams of its own: 29 ms / 0.9
+    g.on_status(predicted(6))
+    assert not g.is_open()
+    g.on_own_load(load(0.45, 0))  # no streams, but prefill steps 45 % of the time: 17 ms / 0.55 = 31 ms
+    assert not g.is_open()
+    g.on_own_load(load(0.1, 0))
+    assert g.is_open()
+
+
+def test_a_prefill_bound_p_keeps_its_time_for_ds_legs():
+    load = lambda share: PrefillLoad("127.0.0.1", 6301, queued_tokens=0, per_token_s=0.001, overhead_s=0.02,  # noqa: E731
+                                     budget=512, at=time.time(), prefill_share=share)
+    g, clock = gate()
+    g.on_own_load(load(MAX_PREFILL_SHARE + 0.01))
+    g.on_status(status(TARGET_S))  # D's streams at the target, no costs known: only P's share objects
+    assert not g.is_open()
+    g.on_own_load(load(0.2))
+    assert g.is_open()
+    g.on_own_load(load(MAX_PREFILL_SHARE + 0.01))  # P's prompts came back: after MIN_OPEN_S it stops
+    g.on_status(status(TARGET_S))
+    assert g.is_open()
+    clock.now += MIN_OPEN_S
+    g.on_status(status(TARGET_S))
+    assert not g.is_open()
 
 
 def test_a_loaded_past_does_not_reopen_it_for_a_lightly_loaded_present():
