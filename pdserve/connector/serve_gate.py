@@ -21,8 +21,8 @@ answers), so a D that idled after a loaded spell would reopen the gate with its 
   traffic, where P's time is D's legs', it stays shut.
 * It closes when every decode instance's ITL is below CLOSE_AT x the target (or D says nothing
   for STALE_S: an idle D publishes nothing), or P's prefill share rises past MAX_PREFILL_SHARE,
-  but not before it was open MIN_OPEN_S: the router forgets a decode instance only ~5 s after its
-  last heartbeat, so shorter spells would only flap.
+  but not before it was open MIN_OPEN_S: the router forgets a decode instance only 5-11 s after
+  its last heartbeat (a 5 s expiry, swept every ~5 s), so shorter spells would only flap.
 
 The router then sends P a share of the decode legs (it picks the decode instance at random), and
 D's streams see fewer neighbours. Thread-safe: statuses come in on the control-plane server
