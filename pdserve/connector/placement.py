@@ -31,6 +31,12 @@ streams' ITL budget only on the prompts P cannot serve in time; and where P woul
 and D would meet it, the ITL guard allows the streams' whole target instead of ITL_HEADROOM of it
 (`ttft_rescue`): a certain TTFT miss outweighs the guard's margin.
 
+While P decodes streams of its own (`serve_decode`, serve_gate.py) neither side's time is free,
+and the rules above, which spend P's time to spare D's streams, give way to `balance` (balance.py):
+the prompt goes to the side whose streams advance faster with it counted, as plain serving on two
+instances prefills each prompt beside its own streams; the step guard and the declared TTFT bound
+still hold.
+
 `StaticPolicy` always disaggregates.
 """
 
@@ -42,6 +48,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
+from pdserve.connector.balance import RESPONSE_STRETCH, local_is_lighter
 from pdserve.connector.local_chunk import MIN_CHUNK, chunk_tokens
 from pdserve.connector.slo_targets import SLOTargets
 from pdserve.connector.step_costs import Coefficients, StepCosts
@@ -69,6 +76,7 @@ class Reason(enum.Enum):
     LONG_PROMPT = "long_prompt"  # more uncached tokens than max_local_tokens: always disaggregated
     PREFILL_STARTED = "prefill_started"  # an idle P started it before D decided (eager_prefill.py)
     PREFILL_IDLE = "prefill_idle"  # P has nothing queued: it prefills at once, and D stays free to decide and decode
+    BALANCE = "balance"  # P decodes streams too: the side whose streams advance faster with the prompt (balance.py)
 
 
 @dataclass(frozen=True)
@@ -231,6 +239,8 @@ class AdaptivePolicy:
         local_costs = self.local_costs(view, load)
         if local_costs is None or load is None and not view.knows_prefill:
             return Decision(Placement.REMOTE, Reason.WARMING_UP)
+        if load is not None and load.decodes > 0:
+            return self._balance(uncached_tokens, view, load, local_costs, local_delay_s)
         if load is not None and self._queued(view, load) == 0:
             return Decision(Placement.REMOTE, Reason.PREFILL_IDLE)  # P starts it at once; D stays free
         remote = self._remote_ttft(uncached_tokens, view, load, local_costs)
@@ -249,11 +259,32 @@ class AdaptivePolicy:
             return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote)
         return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)
 
-    def chunk(self, view: DecodeView, costs: Coefficients | None) -> int:
-        """Local prefill tokens D's next step may compute (local_chunk.py), within its budget."""
+    def _balance(self, tokens: int, view: DecodeView, load: PrefillLoad, costs: Coefficients,
+                 local_delay_s: float) -> Decision:
+        """While P decodes streams of its own (balance.py): the side whose streams advance faster
+        with the prompt, unless that side misses the declared TTFT bound and the other meets it."""
+        queued = self._queued(view, load)
+        remote = self._remote_ttft(tokens, view, load, costs)
+        remote += math.ceil((queued + tokens) / load.budget) * costs.per_decode_s * load.decodes  # P's steps decode too
+        chunk = self.chunk(view, costs, load)
+        if chunk < MIN_CHUNK:
+            return Decision(Placement.REMOTE, Reason.STEP_GUARD, None, remote)
+        local = local_delay_s + self._local_ttft(tokens, view, costs, chunk)
+        target_s = self._config.ttft_target_ms / 1000
+        if local_is_lighter(tokens, view, load, costs, queued):
+            if local > target_s >= remote:
+                return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote)
+            return Decision(Placement.LOCAL, Reason.BALANCE, local, remote)
+        if remote > target_s >= local:
+            return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)
+        return Decision(Placement.REMOTE, Reason.BALANCE, local, remote)
+
+    def chunk(self, view: DecodeView, costs: Coefficients | None, load: PrefillLoad | None = None) -> int:
+        """Local prefill tokens D's next step may compute (local_chunk.py), within its budget; a
+        longer step while P (`load`) decodes streams too (balance.py)."""
         cap = min(view.chunk or view.budget, max(0, view.budget - view.running_decodes))
-        return chunk_tokens(costs, view.running_decodes, self._config.max_step_ms / 1000, cap,
-                            self._config.response_step_s)
+        response_s = self._config.response_step_s * (RESPONSE_STRETCH if load is not None and load.decodes > 0 else 1)
+        return chunk_tokens(costs, view.running_decodes, self._config.max_step_ms / 1000, cap, response_s)
 
     def _within_itl(self, tokens: int, view: DecodeView, costs: Coefficients, headroom: float) -> bool:
         """Whether D's running streams keep their mean ITL under the target with this prompt

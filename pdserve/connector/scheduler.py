@@ -152,7 +152,8 @@ class PDScheduler:
         if self._config.role is Role.CONSUMER:
             load = self._decode_load
             view = load.view(None)
-            chunk = self._policy.chunk(view, self._policy.local_costs(view, load.some_load()))
+            some = load.some_load()
+            chunk = self._policy.chunk(view, self._policy.local_costs(view, some), some)
             self._chunk_limit = threshold(chunk, load.local_prompts())
         elif self._config.placement.serve_decode:
             uncomputed_prompt_tokens(self._accepted)

@@ -24,8 +24,10 @@ answers), so a D that idled after a loaded spell would reopen the gate with its 
   but not before it was open MIN_OPEN_S: the router forgets a decode instance only 5-11 s after
   its last heartbeat (a 5 s expiry, swept every ~5 s), so shorter spells would only flap.
 
-The router then sends P a share of the decode legs (it picks the decode instance at random), and
-D's streams see fewer neighbours. Thread-safe: statuses come in on the control-plane server
+The router then sends P a share of the decode legs (pdserve launches it with the decode policy
+power_of_two: each new request goes to the decode instance with fewer in flight, so P takes the new
+ones until it runs as many as D), and D's streams see fewer neighbours. While P decodes, D places
+prompts by balance (balance.py), not by P's idleness. Thread-safe: statuses come in on the control-plane server
 threads, P's load on the worker thread, `is_open` is asked by the heartbeat thread. Free of vLLM.
 """
 

@@ -4,9 +4,13 @@
 xPyD: `--prefill N --decode M` (UpOptions.num_prefill / num_decode, 1 and 1 by default) runs N
 prefill and M decode instances; every one registers with vllm-router's discovery socket, and the
 router picks a prefill and a decode instance per request with a policy per role: prefill
-round_robin (request k goes to prefill k mod N), decode random. vllm-router 0.1.17 keeps one
-counter per policy, so round_robin for both would tie prefill i to decode i whenever N = M; with a
-random decode any prefill pairs with any decode.
+round_robin (request k goes to prefill k mod N), decode power_of_two (of two decode instances
+drawn at random, the one with fewer requests in flight, as the router counts them). vllm-router
+0.1.17 keeps one counter per policy, so round_robin for both would tie prefill i to decode i
+whenever N = M; with power_of_two any prefill pairs with any decode, and the streams spread by
+count: a prefill instance that serves whole requests too (serve_gate.py) gets the new requests
+until it runs as many as decode does, where a random pick gave it half of those arriving after it
+opened (9 of 40 in a decode-heavy point, with decode's streams at 41-46 ms against its 30).
 
 Ports, from the deployment's base port B, with K = N + M instances:
     B                      router (under `pdserve up`, pdserve's front takes B and the router moves
@@ -139,7 +143,7 @@ def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = 
         instances.append(dataclasses.replace(spec, extra_args=("--kv-transfer-config", config)))
     router = RouterSpec(
         port=options.port, prometheus_port=ports.prometheus, policy="round_robin",
-        extra_args=("--prefill-policy", "round_robin", "--decode-policy", "random",
+        extra_args=("--prefill-policy", "round_robin", "--decode-policy", "power_of_two",
                     "--vllm-pd-disaggregation", "--kv-connector", "moriio",
                     "--vllm-discovery-address", f"{HOST}:{ports.discovery}"),
     )

@@ -128,5 +128,5 @@ def router_command(o: RouterOptions) -> list[str]:
     """vllm-router in PD mode, instances registering at `o.discovery` (MoRIIO's protocol)."""
     return [router_binary(), "--host", o.host_ip, "--port", str(o.port), "--prometheus-host", o.host_ip,
             "--prometheus-port", str(o.prometheus_port or o.port + 1), "--policy", "round_robin",
-            "--prefill-policy", "round_robin", "--decode-policy", "random", "--log-level", "warning",
+            "--prefill-policy", "round_robin", "--decode-policy", "power_of_two", "--log-level", "warning",
             "--vllm-pd-disaggregation", "--kv-connector", "moriio", "--vllm-discovery-address", str(o.discovery)]

@@ -50,7 +50,7 @@ def test_every_instance_has_its_own_ports_and_registers_with_the_router(mode, n,
         assert extra["read_mode"] is (mode == "read")
     router_args = " ".join(d.router.extra_args)
     assert f"--vllm-discovery-address 127.0.0.1:{layout.discovery}" in router_args
-    assert "--prefill-policy round_robin --decode-policy random" in router_args
+    assert "--prefill-policy round_robin --decode-policy power_of_two" in router_args
     names = [i.name for i in d.instances]
     assert len(set(names)) == len(names)
     assert names[0] == ("prefill" if n == 1 else "prefill0") and names[-1] == ("decode" if m == 1 else f"decode{m - 1}")

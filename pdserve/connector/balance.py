@@ -1,0 +1,61 @@
+"""Balance: where a prompt goes while P decodes streams of its own.
+
+With `serve_decode` (serve_gate.py) P also serves whole requests once D's streams are loaded.
+From then on P's time is no longer free: a prompt P prefills for D stalls P's streams just as a
+local prefill stalls D's, and a remote prompt still pays what the split costs it in TTFT (P's
+step, the KV hop, D's first step). The rules that send a prompt to P because P is idle or meets
+the TTFT bound protect D's streams at P's expense, which is right while P has no streams and
+wrong once it has: in the decode-heavy runs D kept sending every prompt to P, P's streams
+advanced slower than round-robin's and D's carried the rest (mean ITL 41-46 ms on D's streams
+against 30 on P's, `benchmarks/decode-heavy-serve-gate-3/`).
+
+So while P decodes, the prompt goes to the side whose streams advance faster with it counted, as
+plain serving on two instances prefills each prompt beside its own streams. A side's streams
+advance at its decode step stretched by its prefill work: D's by what its last seconds measured
+(or its fitted step for the streams it runs, whichever is slower), P's by D's fitted step for
+P's streams over the share of P's time its prefill steps took (the model of serve_gate.py), and
+the prompt adds its prefill time spread over a stream's tokens on the side that computes it.
+Free of vLLM.
+"""
+
+from __future__ import annotations
+
+from pdserve.connector.step_costs import Coefficients
+from pdserve.control.messages import PrefillLoad
+
+# While P decodes too, D prefills about half the prompts itself, so its local steps may run this
+# many times the response bound (local_chunk.py): at 0.15 x a 500 ms TTFT bound a 128-token prompt
+# took six chunk steps on a 2-core EPYC (TTFT ~360 ms, more than the remote path's ~280), at 0.3 x two.
+RESPONSE_STRETCH = 2.0
+MAX_STRETCH = 10.0  # a side that spends nearly all its time prefilling: its streams at most this much slower
+
+
+def decode_streams_itl(view, costs: Coefficients) -> float:
+    """How slowly D's streams advance now: their mean ITL over the last seconds or the step its
+    fitted costs predict for them, whichever is larger (0 with no stream)."""
+    predicted = costs.step_seconds(0, view.running_decodes) if view.running_decodes else 0.0
+    return max(view.now_itl_s or 0.0, predicted)
+
+
+def prefill_streams_itl(load: PrefillLoad, costs: Coefficients) -> float:
+    """How slowly P's streams advance now: D's fitted decode step for them (like cores), stretched
+    by the share of P's time its prefill steps take."""
+    if load.decodes <= 0:
+        return 0.0
+    step = costs.overhead_s + costs.per_decode_s * load.decodes
+    return step / max(1.0 - load.prefill_share, 1.0 / MAX_STRETCH)
+
+
+def local_is_lighter(tokens: int, view, load: PrefillLoad, costs: Coefficients, queued_on_p: int) -> bool:
+    """Whether D's streams, with this prompt prefilled on D, advance no slower than P's would
+    with it prefilled on P. `view` is D's DecodeView, `costs` D's step costs, `queued_on_p` the
+    prompt tokens P has left to compute."""
+    spread = view.stream_tokens if view.stream_tokens > 0 else 0.0
+    added_local = costs.per_prefill_token_s * (view.local_backlog_tokens + tokens) / spread if spread else 0.0
+    added_remote = load.per_token_s * (queued_on_p + tokens) / spread if spread else 0.0
+    local = decode_streams_itl(view, costs) + added_local
+    remote = prefill_streams_itl(load, costs) + added_remote
+    return local <= remote
+
+
+__all__ = ["RESPONSE_STRETCH", "decode_streams_itl", "local_is_lighter", "prefill_streams_itl"]
