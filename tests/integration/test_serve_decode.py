@@ -101,8 +101,8 @@ def test_p_serves_a_share_of_whole_requests_while_d_is_loaded_and_every_answer_e
     on_d = delta("d", "pdserve:placements_total")
     requests_sent = len(PROMPTS) + len(background.lengths)
     print(f"requests: {requests_sent}, served whole on P: {whole:.0f}, decoded on D: {on_d:.0f}")
-    # while P is registered the router picks the decode instance at random among two: over the 40
-    # prompts alone, fewer than 5 either way is ~1e-7
+    # while P is registered the router gives each request to the decode instance with fewer in
+    # flight (power_of_two of two; ties at random): both take a share of the 40 prompts
     assert whole + on_d == requests_sent and whole >= 5 and on_d >= 5, (whole, on_d)
     remote = delta("d", "pdserve:placements_total", placement="remote")
     assert delta("p", "pdserve:kv_transfers_completed_total") == remote
