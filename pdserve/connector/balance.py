@@ -37,13 +37,18 @@ def decode_streams_itl(view, costs: Coefficients) -> float:
     return max(view.now_itl_s or 0.0, predicted)
 
 
+def stretched_step(overhead_s: float, per_decode_s: float, streams: int, prefill_share: float) -> float:
+    """The ITL of `streams` streams on an instance that spends `prefill_share` of its time in
+    steps with prompt tokens: their decode step, stretched by those steps."""
+    return (overhead_s + per_decode_s * streams) / max(1.0 - prefill_share, 1.0 / MAX_STRETCH)
+
+
 def prefill_streams_itl(load: PrefillLoad, costs: Coefficients) -> float:
     """How slowly P's streams advance now: D's fitted decode step for them (like cores), stretched
     by the share of P's time its prefill steps take."""
     if load.decodes <= 0:
         return 0.0
-    step = costs.overhead_s + costs.per_decode_s * load.decodes
-    return step / max(1.0 - load.prefill_share, 1.0 / MAX_STRETCH)
+    return stretched_step(costs.overhead_s, costs.per_decode_s, load.decodes, load.prefill_share)
 
 
 def local_is_lighter(tokens: int, view, load: PrefillLoad, costs: Coefficients, queued_on_p: int) -> bool:
@@ -58,4 +63,4 @@ def local_is_lighter(tokens: int, view, load: PrefillLoad, costs: Coefficients, 
     return local <= remote
 
 
-__all__ = ["RESPONSE_STRETCH", "decode_streams_itl", "local_is_lighter", "prefill_streams_itl"]
+__all__ = ["RESPONSE_STRETCH", "decode_streams_itl", "local_is_lighter", "prefill_streams_itl", "stretched_step"]

@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 
+from pdserve.connector.balance import stretched_step
 from pdserve.control.messages import DecodeStatus, PrefillLoad
 
 logger = logging.getLogger("pdserve.connector")
@@ -104,8 +105,7 @@ def p_stream_itl(own: PrefillLoad, status: DecodeStatus | None) -> float:
     with prompt tokens (0 where D's costs are not known yet: no objection)."""
     if status is None or status.overhead_s is None or status.per_decode_s is None:
         return 0.0
-    step = status.overhead_s + status.per_decode_s * (own.decodes + 1)
-    return step / max(1.0 - own.prefill_share, 0.1)
+    return stretched_step(status.overhead_s, status.per_decode_s, own.decodes + 1, own.prefill_share)
 
 
 def streams_itl(status: DecodeStatus) -> float | None:
