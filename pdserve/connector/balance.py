@@ -25,7 +25,8 @@ from pdserve.control.messages import PrefillLoad
 
 # While P decodes too, D prefills about half the prompts itself, so its local steps may run this
 # many times the response bound (local_chunk.py): at 0.15 x a 500 ms TTFT bound a 128-token prompt
-# took six chunk steps on a 2-core EPYC (TTFT ~360 ms, more than the remote path's ~280), at 0.3 x two.
+# would take six chunk steps by D's step costs on a 2-core EPYC (TTFT ~360 ms, more than the remote
+# path's measured ~280), at 0.3 x two.
 RESPONSE_STRETCH = 2.0
 MAX_STRETCH = 10.0  # a side that spends nearly all its time prefilling: its streams at most this much slower
 
