@@ -57,7 +57,7 @@ class PDScheduler:
         self._budget = budget  # this instance's --max-num-batched-tokens
         self._step_prefill = budget  # P: prompt tokens its next step computes at most (published to D)
         self._kv_cache_manager = None
-        self._step: tuple[float, int, int] | None = None  # this step's start, prefill tokens, decodes
+        self._step: tuple[float, int, int, int] | None = None  # this step's start, prefill tokens, decodes, streams
         # P, adaptive placement: WRITE, D decides and P's legs wait for its word; READ, P decides
         adaptive = config.placement.adaptive
         producer = adaptive and config.role is Role.PRODUCER
@@ -106,8 +106,9 @@ class PDScheduler:
         if self._config.role is Role.PRODUCER:
             self._cancel_preempted_sends(getattr(scheduler_output, "preempted_req_ids", None) or ())
             self._emit_due_sends(scheduler_output.num_scheduled_tokens)
-        self._start_step(scheduler_output.num_scheduled_tokens)
-        self._apply_chunk(scheduler_output.num_scheduled_tokens)
+        new = {r.req_id for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ()}
+        self._start_step(scheduler_output.num_scheduled_tokens, new)
+        self._apply_chunk(scheduler_output.num_scheduled_tokens, new)
         if self._gate is not None or self._read is not None:
             self._meta.load = self._prefill_load()
         if self._read is not None:
@@ -136,13 +137,24 @@ class PDScheduler:
             if news.started:
                 self._started.add(news.started)
 
-    def _start_step(self, num_scheduled_tokens: dict[str, int]) -> None:
+    def _start_step(self, num_scheduled_tokens: dict[str, int], new: set[str]) -> None:
         prefill = sum(n for n in num_scheduled_tokens.values() if n > 1)
         decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
         self._decode_load.running_decodes = self._decode_load.streams_after(num_scheduled_tokens)
-        self._step = (time.monotonic(), prefill, decodes) if prefill or decodes else None
+        streams = self._own_streams(num_scheduled_tokens, new) if self._config.role is Role.PRODUCER else decodes
+        self._step = (time.monotonic(), prefill, decodes, streams) if prefill or decodes else None
 
-    def _apply_chunk(self, scheduled: dict[str, int]) -> None:
+    def _own_streams(self, scheduled: dict[str, int], new: set[str]) -> int:
+        """P: the requests this step gives a generated token, the streams of those P serves whole.
+        A one-token step is not always one: a leg D prefills itself runs here as the one-token prompt it
+        was cut to (scheduled for the first time, like any new request), and a prompt's last chunk
+        may be one token."""
+        uncomputed_prompt_tokens(self._accepted)
+        uncomputed_prompt_tokens(self._whole)
+        prompts = self._accepted.keys() | self._whole.keys()
+        return sum(1 for rid, n in scheduled.items() if n == 1 and rid not in new and rid not in prompts)
+
+    def _apply_chunk(self, scheduled: dict[str, int], new: set[str]) -> None:
         """Adaptive: the next step's limit on one prompt's prefill tokens, from the streams of this
         one (local_chunk.py), on an instance that decodes: D (its local prompts never stretch a step
         past max_step_ms) and, with serve_decode, P (the prompts it prefills never stretch a step of
@@ -156,10 +168,8 @@ class PDScheduler:
             chunk = self._policy.chunk(view, self._policy.local_costs(view, some), some)
             self._chunk_limit = threshold(chunk, load.local_prompts())
         elif self._config.placement.serve_decode:
-            uncomputed_prompt_tokens(self._accepted)
-            uncomputed_prompt_tokens(self._whole)
+            streams = self._own_streams(scheduled, new)
             prompts = self._accepted.keys() | self._whole.keys()
-            streams = sum(1 for rid in scheduled if rid not in prompts)
             chunk = chunk_tokens(self._costs.coefficients(), streams, self._config.placement.max_step_ms / 1000,
                                  self._budget)
             self._chunk_limit = threshold(chunk, len(prompts)) if streams else self._budget
@@ -170,14 +180,14 @@ class PDScheduler:
 
     def _end_step(self) -> None:
         if self._step is not None:
-            started, prefill, decodes = self._step
+            started, prefill, decodes, streams = self._step
             took = time.monotonic() - started
             consumer = self._config.role is Role.CONSUMER
             (self._decode_load.costs if consumer else self._costs).observe(took, prefill, decodes)
             if consumer:
                 self._decode_load.on_step(took, decodes, prefill)
             else:
-                self._prefill_share.on_step(started, took, prefill, decodes)
+                self._prefill_share.on_step(started, took, prefill, streams)
             self._step = None
 
     @guarded()

@@ -54,11 +54,17 @@ class FakeKvCacheManager:
         return FakeBlocks(self.blocks[request_id])
 
 
+@dataclass(frozen=True)
+class NewRequestData:
+    req_id: str
+
+
 @dataclass
 class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int = 0
     preempted_req_ids: set[str] = field(default_factory=set)
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)  # scheduled for the first time
 
     def __post_init__(self):
         self.total_num_scheduled_tokens = sum(self.num_scheduled_tokens.values())

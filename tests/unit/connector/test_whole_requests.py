@@ -11,8 +11,8 @@ from pdserve.connector.scheduler import PDScheduler
 from pdserve.errors import ConfigError
 from pdserve.launch.options import UpOptions
 from tests.unit.connector.harness import make_config
-from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, HEX, FakeBlocks, Scheduler, SchedulerOutput,
-                                                  consumer_params, producer_params)
+from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, HEX, ConnectorOutput, FakeBlocks, NewRequestData,
+                                                  Scheduler, SchedulerOutput, consumer_params, producer_params)
 from tests.unit.connector.test_scheduler_placement import VllmLikeRequest
 
 # both legs name P (127.0.0.1:6301) as prefill and as decode instance: the router picked P for both
@@ -123,3 +123,24 @@ def test_p_without_serve_decode_leaves_vllms_prefill_limit_alone():
     s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
     s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 64}))
     assert limits == []
+
+
+@pytest.mark.parametrize("serve_decode", [False, True])
+def test_p_publishes_as_streams_only_requests_it_decodes(serve_decode):
+    """A leg D prefills itself runs on P as a one-token prompt: a one-token step, but no stream. A
+    P that published it as one made D balance (balance.py) against streams P never ran, in a
+    deployment where P serves nothing whole (local:balance, remote:balance on the default workload)."""
+    config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=serve_decode)
+    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512))
+    for tokens, decodes in [(0, 2), (64, 1), (256, 0), (0, 4), (128, 2), (512, 0), (32, 3), (16, 1)] * 3:
+        s.scheduler._costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)
+
+    def published_after(output: SchedulerOutput) -> int:
+        s.scheduler.build_connector_meta(output)
+        s.scheduler.update_connector_output(ConnectorOutput())
+        return s.scheduler.build_connector_meta(SchedulerOutput({})).load.decodes
+
+    assert published_after(SchedulerOutput({"cut-leg": 1}, scheduled_new_reqs=[NewRequestData("cut-leg")])) == 0
+    assert published_after(SchedulerOutput({"cut-leg": 1, "prompt": 300},
+                                           scheduled_new_reqs=[NewRequestData("cut-leg")])) == 0
+    assert published_after(SchedulerOutput({"stream": 1, "other": 1})) == 2  # generated tokens of earlier requests
