@@ -10,7 +10,7 @@ import requests
 
 from pdserve import launch
 from pdserve.launch import Cluster, UpOptions
-from pdserve.launch.ports import port_free
+from tests.integration.port_check import still_bound
 from pdserve.launch.process import group_members
 
 STARTUP_TIMEOUT = 600
@@ -40,7 +40,8 @@ def launched(options: UpOptions) -> Iterator[Cluster]:
     finally:
         cluster.stop()
     assert all(group_members(g) == [] for g in groups), "a process of the launch survived stop()"
-    assert all(port_free(p) for p in cluster.deployment.ports), "a port of the launch is still bound"
+    bound = still_bound(cluster.deployment.ports)
+    assert not bound, bound
     assert not cluster.run_dir.exists()
 
 

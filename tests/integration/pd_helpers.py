@@ -14,10 +14,10 @@ from pdserve.compare import fetch_greedy
 from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch import Cluster, UpOptions, plan
 from pdserve.launch.env import cache_dir
-from pdserve.launch.ports import port_free
 from pdserve.launch.process import group_members
 from pdserve.launch.samples import metric, parse_samples  # noqa: F401  (metric: used by the tests through here)
 from pdserve.model.build import resolve_model
+from tests.integration.port_check import still_bound
 
 CHUNK_TOKENS = 512  # P's --max-num-batched-tokens: longer prompts are prefilled in chunks
 MAX_TOKENS = 32
@@ -58,8 +58,8 @@ def pd_cluster(mode: str, port: int, **connector_extra) -> Iterator[Cluster]:
     finally:
         cluster.stop()
     assert all(group_members(pid) == [] for pid in pids), "a process of the launch survived stop()"
-    bound = [p for p in deployment.ports if not port_free(p)]
-    assert not bound, f"ports of the launch still bound: {bound}"
+    bound = still_bound(deployment.ports)
+    assert not bound, bound
     leftovers = _segments() - segments_before
     assert not leftovers, f"shared memory left behind: {sorted(leftovers)}"
 

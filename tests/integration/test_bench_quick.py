@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.bench.plan import BenchPlan
 from pdserve.cli import main
-from pdserve.launch.ports import port_free
+from tests.integration.port_check import still_bound
 
 PORT = 31100  # not the CLI default, so a manual `pdserve bench` and this test do not collide
 
@@ -69,7 +69,8 @@ def test_quick_bench_calibrates_replays_one_stream_and_reports(tmp_path, tiny_mo
         assert (out / "plots" / png).read_bytes()[:4] == b"\x89PNG"
 
     # nothing left running: the launcher's ports are free again
-    assert all(port_free(p) for p in range(PORT, PORT + 6))
+    bound = still_bound(range(PORT, PORT + 6))
+    assert not bound, bound
     # a second identical invocation resumes: every point is done, so it starts nothing and rewrites the report
     assert main(argv) == 0
     # SLOs evaluated afterwards on the same requests are marked as such

@@ -17,7 +17,7 @@ import requests
 
 from pdserve.compare import compare_greedy, fetch_greedy, parse_choice
 from pdserve.launch.env import runs_dir
-from pdserve.launch.ports import port_free
+from tests.integration.port_check import still_bound
 from pdserve.launch.process import group_members
 from pdserve.model.build import resolve_model
 from tests.integration.conftest import PROMPTS
@@ -70,7 +70,8 @@ def up(tmp_path_factory):
             os.killpg(process.pid, signal.SIGTERM)
             process.communicate(timeout=DRAIN_TIMEOUT + 120)
     assert all(group_members(g) == [] for g in process.groups), "a process of the launch survived"
-    assert all(port_free(p) for p in range(PORT, PORT + 10)), "a port of the launch is still bound"
+    bound = still_bound(range(PORT, PORT + 10))
+    assert not bound, bound
     assert set(runs_dir().glob(f"{PORT}-*")) == before, "the run directory was left behind"
 
 

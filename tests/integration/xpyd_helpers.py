@@ -16,7 +16,7 @@ import requests
 from pdserve.compare import Generation, Step, compare_greedy
 from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch import Cluster
-from pdserve.launch.ports import port_free
+from tests.integration.port_check import still_bound
 from pdserve.launch.process import group_members
 from tests.integration.pd_helpers import (
     LOG_DIR,
@@ -66,7 +66,8 @@ def xpyd_cluster(mode: str, port: int, num_prefill: int, num_decode: int, **conn
     finally:
         cluster.stop()
     assert all(group_members(pid) == [] for pid in pids), "a process of the launch survived stop()"
-    assert all(port_free(p) for p in deployment.ports), "a port of the launch is still bound"
+    bound = still_bound(deployment.ports)
+    assert not bound, bound
     leftovers = _segments() - segments_before
     assert not leftovers, f"shared memory left behind: {sorted(leftovers)}"
 
