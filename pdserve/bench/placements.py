@@ -21,6 +21,8 @@ from typing import Mapping, Sequence
 from pdserve.launch.samples import parse_samples
 
 METRIC = "pdserve:placements_total"
+CHUNK_METRIC = "pdserve:local_chunk_steps_total"  # decode's steps with a local chunk, by bound=within|over
+CHUNK_PREFIX = "chunk_step:"  # its counts' labels: "chunk_step:within", "chunk_step:over"
 EAGER = "remote:eager"  # P's count of legs it started before D's word: D still decides each of those requests
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -46,10 +48,11 @@ def counts_of(metrics_text: str) -> Counter[str]:
     counts: Counter[str] = Counter()
     for key, value in parse_samples(metrics_text).items():
         name, _, labels = key.partition("{")
-        if name != METRIC:
-            continue
         found = dict(_LABEL.findall(labels))
-        counts[f"{found.get('placement', '?')}:{found.get('reason', '?')}"] += int(value)
+        if name == METRIC:
+            counts[f"{found.get('placement', '?')}:{found.get('reason', '?')}"] += int(value)
+        elif name == CHUNK_METRIC:
+            counts[CHUNK_PREFIX + found.get("bound", "?")] += int(value)
     return counts
 
 
@@ -80,12 +83,15 @@ def section(rows: Sequence[tuple[str, float, Counts]]) -> list[str]:
              "scored ones), summed over seeds. Remote: prefilled on P; local: prefilled on D in chunks "
              "(static PD decides `remote:static` every time; requests P serves whole are not decode's "
              "to place; legs P started before decode's word, `remote:eager`, are counted apart: decode "
-             "still decides each of those requests).", "",
-             "| configuration | rate | decided | remote | local | reasons (most frequent first) |",
-             "|---|---|---|---|---|---|"]
+             "still decides each of those requests). Chunk steps over bound: decode's steps with a chunk "
+             "of local prefill that ran past the bound the chunk was sized for (`max_step_ms` with "
+             "streams running, the response bound), of all such steps.", "",
+             "| configuration | rate | decided | remote | local | chunk steps over bound | reasons (most frequent first) |",
+             "|---|---|---|---|---|---|---|"]
     for config, rate, counts in rows:
         eager = counts.get(EAGER, 0)
-        counts = {label: n for label, n in counts.items() if label != EAGER}
+        over, steps = counts.get(CHUNK_PREFIX + "over", 0), sum(n for k, n in counts.items() if k.startswith(CHUNK_PREFIX))
+        counts = {label: n for label, n in counts.items() if label != EAGER and not label.startswith(CHUNK_PREFIX)}
         total = sum(counts.values()) or 1
         by_placement = Counter()
         for label, n in counts.items():
@@ -94,5 +100,7 @@ def section(rows: Sequence[tuple[str, float, Counts]]) -> list[str]:
         reasons = ", ".join(f"{label} {n}" for label, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
         if eager:
             reasons += f"; prefill started {eager} legs eagerly"
-        lines.append(f"| {config} | {rate:g} | {sum(counts.values())} | {share('remote')} | {share('local')} | {reasons} |")
+        chunk = f"{over} of {steps} ({over / steps:.0%})" if steps else "—"
+        lines.append(f"| {config} | {rate:g} | {sum(counts.values())} | {share('remote')} | {share('local')} | {chunk} "
+                     f"| {reasons} |")
     return lines + [""]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from pdserve.connector.chunk_headroom import ChunkHeadroom
 from pdserve.connector.local_chunk import MIN_CHUNK
 from pdserve.connector.placement import DecodeView
 from pdserve.connector.step_costs import StepCosts
@@ -44,6 +45,7 @@ class DecodeLoad:
         self.budget = budget
         self.chunk = chunk or budget
         self.costs = StepCosts()
+        self.headroom = ChunkHeadroom()  # how full of its bound a local chunk step is planned
         self.running_decodes = 0
         self._itl_target_s = itl_target_s
         self._clock = clock
@@ -77,9 +79,12 @@ class DecodeLoad:
         """A finished step that took `seconds`, gave `decodes` streams a token each and computed
         `prefill_tokens` prompt tokens. A step with a chunk of local prefill also measures what a
         prompt token costs in such a step: what the step took beyond its decodes' share (by the step
-        cost fit), per token. The fit itself trims those rare, slow steps as outliers."""
+        cost fit), per token, and how far the step ran from what that measure predicted for it
+        (chunk_headroom.py). The fit itself trims those rare, slow steps as outliers."""
         base = self.costs.coefficients() if prefill_tokens >= MIN_CHUNK else None
         if base is not None and seconds >= 0:
+            if self._prefill_token_s is not None:
+                self.headroom.observe(seconds, base.step_seconds(0, decodes) + self._prefill_token_s * prefill_tokens)
             per_token = max(0.0, seconds - base.step_seconds(0, decodes)) / prefill_tokens
             self._prefill_token_s = per_token if self._prefill_token_s is None else (
                 self._prefill_token_s + CHUNK_WEIGHT * (per_token - self._prefill_token_s))
@@ -142,4 +147,5 @@ class DecodeLoad:
         outstanding = sum(tokens for p, tokens in self._remote.values() if p == key)
         return DecodeView(self.running_decodes, self.local_backlog(), outstanding, self.budget,
                           self.costs.coefficients(), self.costs.knows_prefill, self.recent_itl(),
-                          self._stream_tokens, self.chunk, self._prefill_token_s, self.now_itl())
+                          self._stream_tokens, self.chunk, self._prefill_token_s, self.now_itl(),
+                          self.headroom.headroom())

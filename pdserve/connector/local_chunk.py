@@ -3,9 +3,10 @@
 The chunk follows D's running streams instead of being fixed at launch:
 
 * with streams running, it is the largest chunk whose step, by D's measured step costs
-  (`Coefficients`), stays within STEP_HEADROOM x `max_step_s`, so a local prefill does not make a
+  (`Coefficients`), stays within a headroom x `max_step_s`, so a local prefill does not make a
   running stream wait longer than `max_step_s` for its next token (the headroom absorbs the steps
-  that run slower than the estimate: on a 2-core EPYC, 10-30% of chunk steps did at 1.0);
+  that run slower than the estimate: on a 2-core EPYC, 10-30% of chunk steps did at 1.0; D learns
+  it from its own chunk steps, chunk_headroom.py, and starts from STEP_HEADROOM);
 * whether streams run or not, no step is longer than `response_s` either: D decides where a new
   request is prefilled, and gives a request whose KV just landed its first token, only between
   steps, so a whole 512-token prompt in one step (~570 ms on one EPYC core) held both back by up
@@ -28,20 +29,26 @@ import math
 from pdserve.connector.step_costs import Coefficients
 
 MIN_CHUNK = 16  # one KV block: below this a chunk step is mostly fixed overhead, so D does not prefill locally
-STEP_HEADROOM = 0.8  # of max_step a chunk step is sized to
+STEP_HEADROOM = 0.8  # of its bound a chunk step is sized to, until D has measured its own (chunk_headroom.py)
+
+
+def step_bound(decodes: int, max_step_s: float, response_s: float = math.inf) -> float:
+    """The longest a step with `decodes` streams and a local chunk may take (inf: no bound)."""
+    return min(max_step_s if decodes > 0 else math.inf, response_s)
 
 
 def chunk_tokens(costs: Coefficients | None, decodes: int, max_step_s: float, cap: int,
-                 response_s: float = math.inf) -> int:
+                 response_s: float = math.inf, headroom: float = STEP_HEADROOM) -> int:
     """Tokens of local prefill D's next step may compute in all, with `decodes` streams in it
     (0: a step within `max_step_s` leaves no room for prefill). `response_s` bounds every step,
-    streams or not; with no stream it never stops a prompt (at least MIN_CHUNK)."""
-    bound = min(max_step_s if decodes > 0 else math.inf, response_s)
+    streams or not; with no stream it never stops a prompt (at least MIN_CHUNK). The step is sized
+    to `headroom` x its bound by `costs` (chunk_headroom.py learns it on D)."""
+    bound = step_bound(decodes, max_step_s, response_s)
     if math.isinf(bound):
         return cap  # nobody waits on the step, or no bound on it (a declared SLO without max_gap)
     if costs is None or costs.per_prefill_token_s <= 0:
         return 0 if decodes > 0 else cap  # no measured cost yet: no bound can be kept
-    room = (STEP_HEADROOM * bound - costs.step_seconds(0, decodes)) / costs.per_prefill_token_s
+    room = (headroom * bound - costs.step_seconds(0, decodes)) / costs.per_prefill_token_s
     chunk = max(0, min(cap, int(room + 1e-9)))  # 1e-9: 0.04 / 0.001 is 39.99...
     return chunk if decodes > 0 else min(cap, max(MIN_CHUNK, chunk))
 
@@ -52,4 +59,4 @@ def threshold(chunk: int, prompts_in_progress: int) -> int:
     return max(MIN_CHUNK, chunk // max(1, prompts_in_progress))
 
 
-__all__ = ["MIN_CHUNK", "STEP_HEADROOM", "chunk_tokens", "threshold"]
+__all__ = ["MIN_CHUNK", "STEP_HEADROOM", "chunk_tokens", "step_bound", "threshold"]

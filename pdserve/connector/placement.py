@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from pdserve.connector.balance import RESPONSE_STRETCH, local_is_lighter
-from pdserve.connector.local_chunk import MIN_CHUNK, chunk_tokens
+from pdserve.connector.local_chunk import MIN_CHUNK, STEP_HEADROOM, chunk_tokens, step_bound
 from pdserve.connector.slo_targets import SLOTargets
 from pdserve.connector.step_costs import Coefficients, StepCosts
 from pdserve.control.messages import PrefillLoad
@@ -212,6 +212,7 @@ class DecodeView:
     chunk: int = 0  # the most tokens of local prefill D computes in a step, the cap of local_chunk.py (0: budget)
     prefill_token_s: float | None = None  # what one prompt token added to D's chunk steps, measured (None: none yet)
     now_itl_s: float | None = None  # mean ITL of D's streams over the last few seconds (None: no token in them)
+    chunk_headroom: float = STEP_HEADROOM  # of its bound a local chunk step is planned to fill (chunk_headroom.py)
 
 
 class PlacementPolicy(Protocol):
@@ -283,8 +284,15 @@ class AdaptivePolicy:
         """Local prefill tokens D's next step may compute (local_chunk.py), within its budget; a
         longer step while P (`load`) decodes streams too (balance.py)."""
         cap = min(view.chunk or view.budget, max(0, view.budget - view.running_decodes))
-        response_s = self._config.response_step_s * (RESPONSE_STRETCH if load is not None and load.decodes > 0 else 1)
-        return chunk_tokens(costs, view.running_decodes, self._config.max_step_ms / 1000, cap, response_s)
+        return chunk_tokens(costs, view.running_decodes, self._config.max_step_ms / 1000, cap,
+                            self._response_s(load), view.chunk_headroom)
+
+    def step_bound(self, decodes: int, load: PrefillLoad | None) -> float:
+        """The longest a step of D with `decodes` streams and a local chunk may take (inf: none)."""
+        return step_bound(decodes, self._config.max_step_ms / 1000, self._response_s(load))
+
+    def _response_s(self, load: PrefillLoad | None) -> float:
+        return self._config.response_step_s * (RESPONSE_STRETCH if load is not None and load.decodes > 0 else 1)
 
     def _within_itl(self, tokens: int, view: DecodeView, costs: Coefficients, headroom: float) -> bool:
         """Whether D's running streams keep their mean ITL under the target with this prompt

@@ -186,9 +186,19 @@ class PDScheduler:
             (self._decode_load.costs if consumer else self._costs).observe(took, prefill, decodes)
             if consumer:
                 self._decode_load.on_step(took, decodes, prefill)
+                self._judge_chunk_step(took, prefill, decodes)
             else:
                 self._prefill_share.on_step(started, took, prefill, streams)
             self._step = None
+
+    def _judge_chunk_step(self, took: float, prefill: int, decodes: int) -> None:
+        """D, adaptive: whether a step with a local chunk kept the bound its chunk was sized for
+        (on /metrics: how often a local prefill made streams wait past max_step_ms)."""
+        if prefill < MIN_CHUNK or not isinstance(self._policy, AdaptivePolicy):
+            return
+        bound = self._policy.step_bound(decodes, self._decode_load.some_load())
+        if math.isfinite(bound):
+            self._meta.chunk_steps.append("over" if took > bound else "within")
 
     @guarded()
     def on_new_request(self, request) -> None:

@@ -17,10 +17,12 @@ from pdserve.connector.engine import TransferStats
 
 # What take_stats sends: the engine's TransferStats fields plus what the worker counts itself.
 _EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": [],
-          "placements": [], "prefill_queued_tokens": [], "serving_decode": []}
+          "placements": [], "prefill_queued_tokens": [], "serving_decode": [], "chunk_steps": []}
 _EMPTY["peers_attached"] = []  # "shm" or "nixl" per peer incarnation attached (transport/nixl_auto.py)
 _LISTS = tuple(k for k, v in _EMPTY.items() if isinstance(v, list))  # one entry per event: concatenated
 _SUMMED = tuple(k for k in _EMPTY if k not in _LISTS)
+
+CHUNK_STEP_BOUNDS = ("within", "over")
 
 # Shared memory on one host moves a small prompt's KV in about a millisecond; a network transport
 # under load can take tens of seconds, and the transfer timeout ends a transfer at 30 s by default.
@@ -75,7 +77,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
     D's word (eager_prefill.py), and, with `serve_decode`,
     `pdserve:placements_total{placement="whole",reason="serve_decode"}`, one per request it served
     whole (whole_requests.py), and `pdserve:serving_decode`, 1 while it offers itself to the router
-    as a decode instance (serve_gate.py; both gauges as of P's last step)."""
+    as a decode instance (serve_gate.py; both gauges as of P's last step). On an adaptive D,
+    `pdserve:local_chunk_steps_total{bound=within|over}`, one per step with a local chunk, by whether
+    it kept the bound its chunk was sized for (`max_step_ms` with streams running, the response
+    bound; local_chunk.py)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -119,6 +124,11 @@ class PDPromMetrics(KVConnectorPromMetrics):
                                    DURATION_BUCKETS_S)
         self._size = histogram("pdserve:kv_transfer_size_bytes", "Bytes of KV delivered per completed transfer.",
                                SIZE_BUCKETS_BYTES)
+        chunk_steps = self._counter_cls(name="pdserve:local_chunk_steps", labelnames=[*labelnames, "bound"],
+                                        documentation="Decode's steps with a chunk of local prefill, by whether "
+                                                      "they kept the step bound the chunk was sized for.")
+        self._chunk_steps = {idx: {b: chunk_steps.labels(*values, b) for b in CHUNK_STEP_BOUNDS}
+                             for idx, values in per_engine_labelvalues.items()}
         self._peers_attached = _per_transport(self._counter_cls, labelnames, per_engine_labelvalues)
         self._handshake = histogram("pdserve:kv_handshake_duration_seconds",
                                     "Seconds from handshake request to reply, per answered handshake.",
@@ -145,6 +155,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
             self._peers_attached[engine_idx][transport].inc()
         for label in transfer_stats_data.get("placements", []):
             self._placement_child(engine_idx, label).inc()
+        for bound in transfer_stats_data.get("chunk_steps", []):
+            if bound in CHUNK_STEP_BOUNDS:
+                self._chunk_steps[engine_idx][bound].inc()
         queue = transfer_stats_data.get("prefill_queued_tokens", [])
         if queue:
             self._queued[engine_idx].set(queue[-1])

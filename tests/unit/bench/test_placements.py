@@ -65,8 +65,25 @@ def test_section_shows_shares_and_reasons_and_leaves_out_configurations_without_
                                 ("adaptive", 0.5, {"remote:prefill_idle": 30, "local:local_faster": 10})])
     table = "\n".join(lines)
     assert "round-robin" not in table
-    assert "| adaptive | 0.5 | 40 | 30 (75%) | 10 (25%) | remote:prefill_idle 30, local:local_faster 10 |" in table
+    assert "| adaptive | 0.5 | 40 | 30 (75%) | 10 (25%) | — | remote:prefill_idle 30, local:local_faster 10 |" in table
     assert placements.section([("round-robin", 0.5, {})]) == []
+
+
+def test_section_shows_the_chunk_steps_over_their_bound_apart_from_the_decisions():
+    counts = {"remote:prefill_idle": 30, "local:local_faster": 10, "chunk_step:within": 57, "chunk_step:over": 3}
+    [row] = [line for line in placements.section([("adaptive", 0.5, counts)]) if line.startswith("| adaptive")]
+    assert row == "| adaptive | 0.5 | 40 | 30 (75%) | 10 (25%) | 3 of 60 (5%) | remote:prefill_idle 30, local:local_faster 10 |"
+
+
+def test_counts_of_reads_decisions_and_chunk_steps_from_one_metrics_page():
+    text = "\n".join([
+        '# TYPE pdserve:placements_total counter',
+        'pdserve:placements_total{engine="0",placement="local",reason="local_faster"} 4.0',
+        '# TYPE pdserve:local_chunk_steps_total counter',
+        'pdserve:local_chunk_steps_total{bound="within",engine="0"} 40.0',
+        'pdserve:local_chunk_steps_total{bound="over",engine="0"} 2.0',
+        'vllm:num_requests_running{engine="0"} 3.0'])
+    assert placements.counts_of(text) == {"local:local_faster": 4, "chunk_step:within": 40, "chunk_step:over": 2}
 
 
 def test_section_counts_eager_starts_apart_from_decode_s_decisions():

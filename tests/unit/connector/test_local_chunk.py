@@ -47,3 +47,12 @@ def test_the_response_bound_holds_every_step_with_or_without_streams():
     assert chunk_tokens(COSTS, 0, math.inf, 512, response_s=0.010) == MIN_CHUNK
     assert chunk_tokens(COSTS, 0, math.inf, 20, response_s=10.0) == 20
     assert chunk_tokens(None, 0, math.inf, 512, response_s=0.100) == 512  # unmeasured: the first prompt runs whole
+
+
+def test_the_headroom_sets_how_full_of_its_bound_a_chunk_step_is_planned():
+    tight = chunk_tokens(COSTS, 5, 0.100, 512, headroom=0.5)
+    loose = chunk_tokens(COSTS, 5, 0.100, 512, headroom=0.9)
+    assert tight < chunk_tokens(COSTS, 5, 0.100, 512) < loose
+    assert COSTS.step_seconds(tight, 5) <= 0.5 * 0.100 < COSTS.step_seconds(tight + 1, 5)
+    assert COSTS.step_seconds(loose, 5) <= 0.9 * 0.100 < COSTS.step_seconds(loose + 1, 5)
+    assert chunk_tokens(COSTS, 0, math.inf, 512, headroom=0.5) == 512  # no bound: the headroom has nothing to fill

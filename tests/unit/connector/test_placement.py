@@ -354,6 +354,23 @@ def test_decode_load_counts_the_next_steps_streams_and_measures_a_chunks_token_c
     assert decode_load.view(None).prefill_token_s == pytest.approx(first + 0.2 * 0.001)
 
 
+
+def test_decode_load_plans_chunk_steps_by_how_far_its_chunk_steps_ran_from_the_prediction():
+    from pdserve.connector.chunk_headroom import MIN_SAMPLES, TARGET
+    from pdserve.connector.decode_load import DecodeLoad
+    from pdserve.connector.local_chunk import STEP_HEADROOM
+    decode_load = DecodeLoad(576, chunk=512)
+    for _ in range(10):  # decode steps: 10 ms + 1 ms a stream
+        for decodes in (1, 3):
+            decode_load.costs.observe(0.010 + 0.001 * decodes, 0, decodes)
+    assert decode_load.view(None).chunk_headroom == STEP_HEADROOM
+    decode_load.on_step(0.012 + 64 * 0.001, 2, 64)  # the first chunk measures a token at ~1 ms
+    for _ in range(MIN_SAMPLES):  # then every chunk step runs 1.3 x what that measure predicts
+        decode_load.on_step(1.3 * (0.012 + 64 * decode_load.view(None).prefill_token_s), 2, 64)
+    assert decode_load.view(None).chunk_headroom < STEP_HEADROOM
+    assert decode_load.view(None).chunk_headroom == pytest.approx(TARGET / 1.3, rel=0.1)
+
+
 def test_a_measured_chunk_token_cost_sizes_the_chunk():
     measured = DecodeView(10, 0, 0, 576, COSTS, True, None, 64, 512, prefill_token_s=0.002)
     # 0.8 x 75 ms less 20 ms of decodes leaves 40 ms: 20 tokens at the measured 2 ms, not 40 at the fit's 1 ms

@@ -248,3 +248,26 @@ def test_static_d_leaves_vllms_prefill_limit_alone():
                               set_chunk=limits.append))
     s.scheduler.build_connector_meta(SchedulerOutput({"a": 1}))
     assert limits == []
+
+
+def test_d_reports_whether_each_step_with_a_local_chunk_kept_its_bound():
+    config = make_config("kv_consumer", WRITE, placement="adaptive", max_step_ms=50)
+    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=lambda _: None))
+
+    def step(scheduled: dict[str, int], seconds: float) -> list[str]:
+        s.scheduler.build_connector_meta(SchedulerOutput(scheduled))
+        time.sleep(seconds)
+        s.scheduler.update_connector_output(Output())
+        return s.scheduler.build_connector_meta(SchedulerOutput({})).chunk_steps  # the next plan carries it
+
+    assert step({"a": 1, "l": 64}, 0.0) == ["within"]
+    assert step({"a": 1, "l": 64}, 0.06) == ["over"]  # a stream waited past max_step_ms
+    assert step({"a": 1, "b": 1}, 0.06) == []  # no chunk: a slow decode step is not local prefill's doing
+    assert step({"a": 1, "landed": 8}, 0.06) == []  # a landed request's last few prompt tokens are no chunk
+    # no stream in the step: the response bound (0.15 x the default 1 s TTFT bound) is the one it keeps
+    assert step({"l": 64}, 0.06) == ["within"]
+    static = Scheduler(PDScheduler(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576))
+    static.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "l": 64}))
+    time.sleep(0.06)
+    static.scheduler.update_connector_output(Output())
+    assert static.scheduler.build_connector_meta(SchedulerOutput({})).chunk_steps == []  # static D sizes no chunk

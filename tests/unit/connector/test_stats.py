@@ -123,3 +123,12 @@ def test_a_completed_transfer_reaches_the_histograms_with_its_bytes_and_duration
             metrics.observe(PDConnectorStats(data=data).data)
             assert bucket(registry, "pdserve:kv_transfer_size_bytes", 1024) == 1
             assert sample(registry, "pdserve:kv_transfer_duration_seconds_count") == 1
+
+
+def test_chunk_steps_count_by_whether_they_kept_their_bound():
+    metrics, registry = prom_metrics()
+    metrics.observe(stats(chunk_steps=["within", "within", "over"]).data)
+    metrics.observe(stats(chunk_steps=["within", "bogus"]).data)  # an unknown label is not counted
+    assert sample(registry, "pdserve:local_chunk_steps_total", bound="within") == 3
+    assert sample(registry, "pdserve:local_chunk_steps_total", bound="over") == 1
+    assert not stats(chunk_steps=["over"]).is_empty()
