@@ -24,10 +24,12 @@ def test_steps_slower_than_predicted_shrink_it_and_steps_as_predicted_grow_it():
         slow.observe(0.054, 0.040)  # the 2026-12-04 run: steps planned at 40 ms ran 51-54 ms
     assert slow.headroom() == pytest.approx(TARGET / 1.35)
     assert slow.headroom() * 1.35 < 1.0 < STEP_HEADROOM * 1.35  # such steps now keep the bound; at 0.8 they broke it
+    assert slow.headroom() * 1.35 == pytest.approx(STEP_HEADROOM)  # as full as steps that keep to the prediction
     exact = ChunkHeadroom()
     for _ in range(WINDOW):
         exact.observe(0.040, 0.040)
-    assert exact.headroom() == pytest.approx(min(MAX_HEADROOM, TARGET)) and exact.headroom() > STEP_HEADROOM
+    assert exact.headroom() == pytest.approx(STEP_HEADROOM)  # steps that keep to the prediction: as before
+    assert MAX_HEADROOM == STEP_HEADROOM  # never fuller: a client's gap is a step and then some
 
 
 def test_a_rare_stall_does_not_shrink_it_but_a_tail_of_slow_steps_does():
