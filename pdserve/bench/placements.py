@@ -4,6 +4,10 @@
 
     <dir>/placements/<config>/r<rate>_s<seed>.json   {"remote:prefill_idle": 31, "local:local_faster": 9, ...}
 
+Beside the decisions, under `chunk_step:within` / `chunk_step:over`, the change of decode's
+`pdserve:local_chunk_steps_total{bound}`: its steps with a local chunk, by whether they kept the
+bound the chunk was sized for.
+
 Counters count every request of the point, not only the scored ones; plain serving has no
 connector and no decisions, and no row in the report.
 """
