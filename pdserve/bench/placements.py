@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from pdserve.connector.local_chunk import OVER
 from pdserve.launch.samples import parse_samples
 
 METRIC = "pdserve:placements_total"
@@ -56,7 +57,7 @@ def counts_of(metrics_text: str) -> Counter[str]:
         if name == METRIC:
             counts[f"{found.get('placement', '?')}:{found.get('reason', '?')}"] += int(value)
         elif name == CHUNK_METRIC:
-            counts[CHUNK_PREFIX + found.get("bound", "?")] += int(value)
+            counts[CHUNK_PREFIX + found.get("bound", "?")] += int(value)  # local_chunk.WITHIN / OVER
     return counts
 
 
@@ -94,7 +95,7 @@ def section(rows: Sequence[tuple[str, float, Counts]]) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for config, rate, counts in rows:
         eager = counts.get(EAGER, 0)
-        over, steps = counts.get(CHUNK_PREFIX + "over", 0), sum(n for k, n in counts.items() if k.startswith(CHUNK_PREFIX))
+        over, steps = counts.get(CHUNK_PREFIX + OVER, 0), sum(n for k, n in counts.items() if k.startswith(CHUNK_PREFIX))
         counts = {label: n for label, n in counts.items() if label != EAGER and not label.startswith(CHUNK_PREFIX)}
         total = sum(counts.values()) or 1
         by_placement = Counter()

@@ -30,6 +30,7 @@ from pdserve.connector.step_costs import Coefficients
 
 MIN_CHUNK = 16  # one KV block: below this a chunk step is mostly fixed overhead, so D does not prefill locally
 STEP_HEADROOM = 0.8  # of its bound a chunk step is sized to, until D has measured its own (chunk_headroom.py)
+WITHIN, OVER = "within", "over"  # whether a chunk step kept its bound (pdserve:local_chunk_steps_total{bound})
 
 
 def step_bound(decodes: int, max_step_s: float, response_s: float = math.inf) -> float:
@@ -59,4 +60,4 @@ def threshold(chunk: int, prompts_in_progress: int) -> int:
     return max(MIN_CHUNK, chunk // max(1, prompts_in_progress))
 
 
-__all__ = ["MIN_CHUNK", "STEP_HEADROOM", "chunk_tokens", "step_bound", "threshold"]
+__all__ = ["MIN_CHUNK", "OVER", "STEP_HEADROOM", "WITHIN", "chunk_tokens", "step_bound", "threshold"]

@@ -19,7 +19,7 @@ from pdserve.connector.decode_status import status_of
 from pdserve.connector.eager_prefill import EAGER_LABEL, StartedLegs, prefill_idle
 from pdserve.connector.guard import guarded
 from pdserve.connector.leg_truncation import truncate_to_one_token
-from pdserve.connector.local_chunk import MIN_CHUNK, chunk_tokens, threshold
+from pdserve.connector.local_chunk import MIN_CHUNK, OVER, WITHIN, chunk_tokens, threshold
 from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
 from pdserve.connector.placement import AdaptivePolicy, Decision, Placement, Reason, make_policy
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
@@ -198,7 +198,7 @@ class PDScheduler:
             return
         bound = self._policy.step_bound(decodes, self._decode_load.some_load())
         if math.isfinite(bound):
-            self._meta.chunk_steps.append("over" if took > bound else "within")
+            self._meta.chunk_steps.append(OVER if took > bound else WITHIN)
 
     @guarded()
     def on_new_request(self, request) -> None:

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from pdserve.connector.engine import TransferStats
+from pdserve.connector.local_chunk import OVER, WITHIN
 
 # What take_stats sends: the engine's TransferStats fields plus what the worker counts itself.
 _EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": [],
@@ -22,7 +23,7 @@ _EMPTY["peers_attached"] = []  # "shm" or "nixl" per peer incarnation attached (
 _LISTS = tuple(k for k, v in _EMPTY.items() if isinstance(v, list))  # one entry per event: concatenated
 _SUMMED = tuple(k for k in _EMPTY if k not in _LISTS)
 
-CHUNK_STEP_BOUNDS = ("within", "over")
+CHUNK_STEP_BOUNDS = (WITHIN, OVER)
 
 # Shared memory on one host moves a small prompt's KV in about a millisecond; a network transport
 # under load can take tens of seconds, and the transfer timeout ends a transfer at 30 s by default.
