@@ -8,6 +8,7 @@ streams' load from it (mean ITL over the last seconds, running streams, step cos
 
 from __future__ import annotations
 
+from pdserve.connector.local_chunk import STEP_HEADROOM
 from pdserve.connector.placement import DecodeView
 from pdserve.connector.step_costs import Coefficients
 from pdserve.control.messages import DecodeStatus
@@ -24,15 +25,18 @@ def status_of(view: DecodeView, host: str, handshake_port: int, at: float,
         overhead_s=costs.overhead_s if costs else None,
         per_token_s=costs.per_prefill_token_s if costs else None,
         per_decode_s=costs.per_decode_s if costs else None,
-        recent_itl_s=view.recent_itl_s, prefill_token_s=view.prefill_token_s, now_itl_s=view.now_itl_s)
+        recent_itl_s=view.recent_itl_s, prefill_token_s=view.prefill_token_s, now_itl_s=view.now_itl_s,
+        chunk_headroom=view.chunk_headroom)
 
 
 def view_of(status: DecodeStatus, sent_local_tokens: int = 0) -> DecodeView:
     """The view P decides with: D's, plus `sent_local_tokens` P told D to prefill itself after D
-    measured it. P's own queue is in P's load, so nothing is outstanding on D's side."""
+    measured it. P's own queue is in P's load, so nothing is outstanding on D's side. A D that
+    sends no chunk headroom (an older build) plans its chunks at STEP_HEADROOM."""
     costs = None
     if status.overhead_s is not None:
         costs = Coefficients(status.overhead_s, status.per_token_s, status.per_decode_s)
     return DecodeView(status.running_decodes, status.local_backlog_tokens + sent_local_tokens, 0, status.budget,
                       costs, status.knows_prefill, status.recent_itl_s, status.stream_tokens, status.chunk,
-                      status.prefill_token_s, status.now_itl_s)
+                      status.prefill_token_s, status.now_itl_s,
+                      STEP_HEADROOM if status.chunk_headroom is None else status.chunk_headroom)

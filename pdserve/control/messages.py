@@ -329,6 +329,7 @@ class DecodeStatus:
     recent_itl_s: float | None = None
     prefill_token_s: float | None = None
     now_itl_s: float | None = None
+    chunk_headroom: float | None = None  # of its bound D plans a local chunk step to fill (connector/chunk_headroom.py)
 
     def validate(self) -> None:
         _check(0 < len(self.decode_host) <= 255, type(self), "decode_host must be a host name")
@@ -351,3 +352,5 @@ class DecodeStatus:
             value = getattr(self, name)
             _check(value is None or math.isfinite(value) and -60 < value < 60, type(self),
                    f"{name} {value} is not a cost in seconds")
+        _check(self.chunk_headroom is None or math.isfinite(self.chunk_headroom) and 0 < self.chunk_headroom <= 1,
+               type(self), f"chunk_headroom {self.chunk_headroom} is not a share in (0, 1]")

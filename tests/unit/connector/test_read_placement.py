@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.config import Role, TransferMode
 from pdserve.connector.decode_status import status_of, view_of
+from pdserve.connector.local_chunk import STEP_HEADROOM
 from pdserve.connector.metadata import WorkerNews
 from pdserve.connector.placement_inbox import PUBLISH_EVERY_S
 from pdserve.connector.placement import AdaptivePolicy, Decision, DecodeView, Placement, PlacementConfig, Reason
@@ -54,6 +55,24 @@ def test_d_status_carries_its_view_and_back():
     assert back == DecodeView(3, 250, 0, 576, Coefficients(0.005, 0.001, 0.0005), True, 0.02, 128.0, 512, 0.0012)
     unknown = status_of(DecodeView(0, 0, 0, 576, None, False), "127.0.0.1", 6302, 5.0, {})
     assert (unknown.overhead_s, unknown.recent_itl_s) == (None, None) and view_of(unknown).costs is None
+
+
+def test_d_status_carries_the_chunk_headroom_d_learnt_so_p_sizes_d_chunks_as_d_does():
+    costs = Coefficients(0.005, 0.001, 0.0005)
+    learnt = DecodeView(2, 0, 0, 576, costs, True, 0.02, 64.0, 512, 0.001, chunk_headroom=0.5)
+    back = view_of(status_of(learnt, "127.0.0.1", 6302, 5.0, {}))
+    assert back.chunk_headroom == 0.5
+    policy = AdaptivePolicy(PlacementConfig("adaptive", max_step_ms=50.0))
+    # (0.5 x 50 ms - the step of 2 streams, 6 ms) / 1 ms a token: 19 tokens, not the 34 of 0.8
+    assert policy.chunk(back, costs) == policy.chunk(learnt, costs) == 19
+    older = DecodeStatus(**{**status_of(learnt, "127.0.0.1", 6302, 5.0, {}).__dict__, "chunk_headroom": None})
+    assert view_of(older).chunk_headroom == STEP_HEADROOM and policy.chunk(view_of(older), costs) == 34
+
+
+@pytest.mark.parametrize("headroom", [0.0, 1.5, float("nan"), -0.2])
+def test_a_status_with_a_headroom_outside_0_1_is_refused(headroom):
+    with pytest.raises(ProtocolError, match="chunk_headroom"):
+        d_status(chunk_headroom=headroom).validate()
 
 
 def test_a_status_with_half_its_costs_is_refused():

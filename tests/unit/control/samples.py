@@ -44,6 +44,7 @@ SAMPLES = {
     "per_decode_s": 0.001,
     "recent_itl_s": 0.02,
     "now_itl_s": 0.03,
+    "chunk_headroom": 0.7,
     "prefill_share": 0.4,
     "decodes": 2,
     "prefill_token_s": 0.0006,
