@@ -31,11 +31,19 @@ RESPONSE_STRETCH = 2.0
 MAX_STRETCH = 10.0  # a side that spends nearly all its time prefilling: its streams at most this much slower
 
 
+def streams_now_itl(now_itl_s: float | None, costs: Coefficients | None, streams: int) -> float | None:
+    """How slowly a decode instance's `streams` advance now: the larger of their mean ITL over the
+    last few seconds and the decode-only step its fitted `costs` predict for them (it follows
+    arrivals before any token shows them); None where neither is known (no stream, or no costs)."""
+    known = [now_itl_s] if now_itl_s is not None else []
+    if costs is not None and streams:
+        known.append(costs.step_seconds(0, streams))
+    return max(known, default=None)
+
+
 def decode_streams_itl(view, costs: Coefficients) -> float:
-    """How slowly D's streams advance now: their mean ITL over the last seconds or the step its
-    fitted costs predict for them, whichever is larger (0 with no stream)."""
-    predicted = costs.step_seconds(0, view.running_decodes) if view.running_decodes else 0.0
-    return max(view.now_itl_s or 0.0, predicted)
+    """How slowly D's streams advance now (`streams_now_itl`; 0 with no stream)."""
+    return streams_now_itl(view.now_itl_s, costs, view.running_decodes) or 0.0
 
 
 def stretched_step(overhead_s: float, per_decode_s: float, streams: int, prefill_share: float) -> float:
@@ -64,4 +72,5 @@ def local_is_lighter(tokens: int, view, load: PrefillLoad, costs: Coefficients, 
     return local <= remote
 
 
-__all__ = ["RESPONSE_STRETCH", "decode_streams_itl", "local_is_lighter", "prefill_streams_itl", "stretched_step"]
+__all__ = ["RESPONSE_STRETCH", "decode_streams_itl", "local_is_lighter", "prefill_streams_itl", "streams_now_itl",
+           "stretched_step"]

@@ -33,10 +33,14 @@ def view_of(status: DecodeStatus, sent_local_tokens: int = 0) -> DecodeView:
     """The view P decides with: D's, plus `sent_local_tokens` P told D to prefill itself after D
     measured it. P's own queue is in P's load, so nothing is outstanding on D's side. A D that
     sends no chunk headroom (an older build) plans its chunks at STEP_HEADROOM."""
-    costs = None
-    if status.overhead_s is not None:
-        costs = Coefficients(status.overhead_s, status.per_token_s, status.per_decode_s)
     return DecodeView(status.running_decodes, status.local_backlog_tokens + sent_local_tokens, 0, status.budget,
-                      costs, status.knows_prefill, status.recent_itl_s, status.stream_tokens, status.chunk,
+                      costs_of(status), status.knows_prefill, status.recent_itl_s, status.stream_tokens, status.chunk,
                       status.prefill_token_s, status.now_itl_s,
                       STEP_HEADROOM if status.chunk_headroom is None else status.chunk_headroom)
+
+
+def costs_of(status: DecodeStatus) -> Coefficients | None:
+    """D's fitted step costs as it published them (None: not measured yet)."""
+    if status.overhead_s is None:
+        return None
+    return Coefficients(status.overhead_s, status.per_token_s, status.per_decode_s)

@@ -37,7 +37,8 @@ import logging
 import threading
 import time
 
-from pdserve.connector.balance import stretched_step
+from pdserve.connector.balance import streams_now_itl, stretched_step
+from pdserve.connector.decode_status import costs_of
 from pdserve.control.messages import DecodeStatus, PrefillLoad
 
 logger = logging.getLogger("pdserve.connector")
@@ -109,10 +110,6 @@ def p_stream_itl(own: PrefillLoad, status: DecodeStatus | None) -> float:
 
 
 def streams_itl(status: DecodeStatus) -> float | None:
-    """How slowly a decode instance's streams advance now: the larger of their mean ITL over the
-    last few seconds and the decode-only step its fitted costs predict for the streams it runs now
-    (None: neither known, as for a D with no stream)."""
-    known = [status.now_itl_s] if status.now_itl_s is not None else []
-    if status.overhead_s is not None and status.per_decode_s is not None and status.running_decodes:
-        known.append(status.overhead_s + status.per_decode_s * status.running_decodes)
-    return max(known, default=None)
+    """How slowly a decode instance's streams advance now, by what it published (balance.py's
+    `streams_now_itl`; None: not known, as for a D with no stream)."""
+    return streams_now_itl(status.now_itl_s, costs_of(status), status.running_decodes)
