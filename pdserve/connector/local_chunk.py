@@ -12,6 +12,12 @@ The chunk follows D's running streams instead of being fixed at launch:
   steps, so a whole 512-token prompt in one step (~570 ms on one EPYC core) held both back by up
   to that long, while P sat idle (`benchmarks/adaptive/placement-rules.md`). The bound costs a
   local prefill one step overhead per extra chunk;
+* a step in which requests whose KV just landed take their first token is a stream's step
+  (`PlacementConfig.landing_step_s`: `max_step_s`, or the mean ITL target where no max gap is
+  bounded): D usually prefills a prompt itself while P is busy with another, whose KV then lands
+  during D's chunks, and a response-bound chunk step would add its length to that request's TTFT.
+  The scheduler sizes it after the step's output reports the landing, before vLLM schedules the
+  next one;
 * with neither bound (no stream, and no response bound), a prompt takes up to the cap (the whole
   prompt, for the usual cap) in one step.
 

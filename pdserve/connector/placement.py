@@ -122,6 +122,14 @@ class PlacementConfig:
         return RESPONSE_SHARE * ttft_ms / 1000
 
     @property
+    def landing_step_s(self) -> float:
+        """The longest local prefill step D runs while requests whose KV just landed take their
+        first token in it (local_chunk.py): a stream's step, `max_step_ms`, or where no max gap is
+        bounded the mean ITL target (its default without one)."""
+        itl_ms = self.itl_target_ms if math.isfinite(self.itl_target_ms) else PlacementConfig.itl_target_ms
+        return min(self.max_step_ms, itl_ms) / 1000
+
+    @property
     def stream_itl_s(self) -> float:
         """The ITL by which D estimates how long a stream lives (decode_load.py): the target, or
         without one (an SLO that bounds no ITL) the default target."""
@@ -280,19 +288,24 @@ class AdaptivePolicy:
             return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)
         return Decision(Placement.REMOTE, Reason.BALANCE, local, remote)
 
-    def chunk(self, view: DecodeView, costs: Coefficients | None, load: PrefillLoad | None = None) -> int:
+    def chunk(self, view: DecodeView, costs: Coefficients | None, load: PrefillLoad | None = None,
+              landed: int = 0) -> int:
         """Local prefill tokens D's next step may compute (local_chunk.py), within its budget; a
-        longer step while P (`load`) decodes streams too (balance.py)."""
-        cap = min(view.chunk or view.budget, max(0, view.budget - view.running_decodes))
-        return chunk_tokens(costs, view.running_decodes, self._config.max_step_ms / 1000, cap,
-                            self._response_s(load), view.chunk_headroom)
+        longer step while P (`load`) decodes streams too (balance.py), a shorter one while `landed`
+        requests whose KV just landed take their first token in it."""
+        decodes = view.running_decodes + landed
+        cap = min(view.chunk or view.budget, max(0, view.budget - decodes))
+        return chunk_tokens(costs, decodes, self._config.max_step_ms / 1000, cap,
+                            self._response_s(load, landed), view.chunk_headroom)
 
-    def step_bound(self, decodes: int, load: PrefillLoad | None) -> float:
-        """The longest a step of D with `decodes` streams and a local chunk may take (inf: none)."""
-        return step_bound(decodes, self._config.max_step_ms / 1000, self._response_s(load))
+    def step_bound(self, decodes: int, load: PrefillLoad | None, landed: bool = False) -> float:
+        """The longest a step of D with `decodes` streams and a local chunk may take (inf: none);
+        `landed`: first tokens of requests whose KV just landed are in it."""
+        return step_bound(decodes, self._config.max_step_ms / 1000, self._response_s(load, landed))
 
-    def _response_s(self, load: PrefillLoad | None) -> float:
-        return self._config.response_step_s * (RESPONSE_STRETCH if load is not None and load.decodes > 0 else 1)
+    def _response_s(self, load: PrefillLoad | None, landed: int | bool = 0) -> float:
+        response = self._config.response_step_s * (RESPONSE_STRETCH if load is not None and load.decodes > 0 else 1)
+        return min(response, self._config.landing_step_s) if landed else response
 
     def _within_itl(self, tokens: int, view: DecodeView, costs: Coefficients, headroom: float) -> bool:
         """Whether D's running streams keep their mean ITL under the target with this prompt

@@ -58,6 +58,8 @@ class PDScheduler:
         self._step_prefill = budget  # P: prompt tokens its next step computes at most (published to D)
         self._kv_cache_manager = None
         self._step: tuple[float, int, int, int] | None = None  # this step's start, prefill tokens, decodes, streams
+        self._landing_planned = False  # D: the next step's chunk was sized for first tokens of landed requests
+        self._step_landing = False  # D: this step's was
         # P, adaptive placement: WRITE, D decides and P's legs wait for its word; READ, P decides
         adaptive = config.placement.adaptive
         producer = adaptive and config.role is Role.PRODUCER
@@ -124,9 +126,11 @@ class PDScheduler:
         self._end_step()
         for request_id in connector_output.finished_sending or ():
             self._held.discard(request_id)
+        landed = 0
         for request_id in connector_output.finished_recving or ():
-            if request_id in self._receiving:
+            if request_id in self._receiving and request_id not in self._received:
                 self._received.add(request_id)
+                landed += 1
             self._decode_load.landed(request_id)
         if news is not None:
             if self._gate is not None:
@@ -136,6 +140,8 @@ class PDScheduler:
                 self._read.on_statuses(news.statuses)
             if news.started:
                 self._started.add(news.started)
+        if landed:
+            self._shorten_for_first_tokens(landed)
 
     def _start_step(self, num_scheduled_tokens: dict[str, int], new: set[str]) -> None:
         prefill = sum(n for n in num_scheduled_tokens.values() if n > 1)
@@ -143,6 +149,7 @@ class PDScheduler:
         self._decode_load.running_decodes = self._decode_load.streams_after(num_scheduled_tokens)
         streams = self._own_streams(num_scheduled_tokens, new) if self._config.role is Role.PRODUCER else decodes
         self._step = (time.monotonic(), prefill, decodes, streams) if prefill or decodes else None
+        self._step_landing, self._landing_planned = self._landing_planned, False
 
     def _own_streams(self, scheduled: dict[str, int], new: set[str]) -> int:
         """P: the requests this step gives a generated token, the streams of those P serves whole.
@@ -178,6 +185,24 @@ class PDScheduler:
             return
         self._set_chunk(self._chunk_limit)
 
+    def _shorten_for_first_tokens(self, landed: int) -> None:
+        """D, adaptive: requests whose KV just landed take their first token in the next step, so a
+        local chunk in it is sized to a stream's step (`landing_step_s`), not the response bound:
+        their TTFT is P's prefill plus that step. Set after the step's output, before vLLM
+        schedules the next one (local_chunk.py)."""
+        if self._set_chunk is None or not isinstance(self._policy, AdaptivePolicy) or \
+                self._config.role is not Role.CONSUMER:
+            return
+        load = self._decode_load
+        prompts = load.local_prompts()
+        if not prompts:
+            return
+        view, some = load.view(None), load.some_load()
+        chunk = self._policy.chunk(view, self._policy.local_costs(view, some), some, landed)
+        self._chunk_limit = min(self._chunk_limit or self._budget, threshold(chunk, prompts))
+        self._landing_planned = True
+        self._set_chunk(self._chunk_limit)
+
     def _end_step(self) -> None:
         if self._step is not None:
             started, prefill, decodes, streams = self._step
@@ -196,7 +221,7 @@ class PDScheduler:
         (on /metrics: how often a local prefill made streams wait past max_step_ms)."""
         if prefill < MIN_CHUNK or not isinstance(self._policy, AdaptivePolicy):
             return
-        bound = self._policy.step_bound(decodes, self._decode_load.some_load())
+        bound = self._policy.step_bound(decodes, self._decode_load.some_load(), self._step_landing)
         if math.isfinite(bound):
             self._meta.chunk_steps.append(OVER if took > bound else WITHIN)
 

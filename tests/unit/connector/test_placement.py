@@ -418,6 +418,25 @@ def test_under_a_mean_itl_slo_only_the_response_bound_limits_d_steps_beside_its_
     assert tight.decide(512, busy, load(4096)).reason is Reason.ITL_GUARD
 
 
+def test_a_step_with_first_tokens_of_landed_requests_is_a_streams_step():
+    blog = parse_placement({"placement": "adaptive", "slo": "ttft<1000,mean_itl<50"})
+    assert blog.landing_step_s == 0.05 and blog.response_step_s == 0.15
+    assert parse_placement({"placement": "adaptive", "slo": "ttft<1000,max_gap<30"}).landing_step_s == 0.03
+    assert parse_placement({"placement": "adaptive", "slo": "ttft<1000"}).landing_step_s == 0.05  # the default target
+    assert parse_placement({"placement": "adaptive", "max_step_ms": 80}).landing_step_s == 0.05
+    declared = AdaptivePolicy(blog, clock=lambda: NOW)
+    idle = view(running=0, budget=512)
+    # nothing decodes: the response bound, 0.8 x 150 ms less the 10 ms overhead at 1 ms a token
+    assert declared.chunk(idle, COSTS) == 110
+    # two landed requests take their first token: 0.8 x 50 ms less the 12 ms step of two streams
+    assert declared.chunk(idle, COSTS, landed=2) == 28
+    assert declared.step_bound(2, None, landed=True) == 0.05 and declared.step_bound(2, None) == 0.15
+    # under a max-gap bound a stream's step already bounds the chunk: landing changes nothing
+    gap = AdaptivePolicy(parse_placement({"placement": "adaptive", "max_step_ms": 50}), clock=lambda: NOW)
+    busy = view(running=3, budget=512)
+    assert gap.chunk(busy, COSTS, landed=1) == gap.chunk(view(running=4, budget=512), COSTS)
+
+
 def test_a_declared_ttft_bound_keeps_prompts_p_serves_in_time_on_p():
     slo = parse_placement({"placement": "adaptive", "slo": "ttft<1000,mean_itl<1000"})
     assert slo.ttft_target_ms == 1000.0 and parse_placement({"placement": "adaptive"}).ttft_target_ms == math.inf

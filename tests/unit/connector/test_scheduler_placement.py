@@ -242,6 +242,42 @@ def test_d_sets_the_next_steps_prefill_limit_from_its_streams():
     assert 100 <= limits[-1] <= 125
 
 
+def test_d_shortens_the_step_in_which_landed_requests_take_their_first_token():
+    """Under a mean-ITL SLO a local chunk step may run the response bound (0.15 x 1 s); a request
+    whose KV just landed takes its first token in the next step, so that step's chunk is sized to
+    the ITL target instead, and the step is judged against it."""
+    limits: list[int] = []
+    config = make_config("kv_consumer", WRITE, placement="adaptive", slo="ttft<1000,mean_itl<50")
+    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
+    _teach_d(s)  # decode steps of ~5 ms
+    key = (P_ADDRESS.host, P_ADDRESS.handshake_port)
+    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
+    s.scheduler.update_connector_output(Output(), WorkerNews(loads={key: busy}))
+    local = FakeRequest(ROUTER_ID, consumer_params(), 400)
+    assert s.scheduler.get_num_new_matched_tokens(local, 0) == (0, False)
+    s.scheduler.update_state_after_alloc(local, FakeBlocks(range(25)), 0)
+    idle = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 0, 0.001, 0.005, 512, time.time())
+    s.scheduler.update_connector_output(Output(), WorkerNews(loads={key: idle}))
+    remote = FakeRequest(ROUTER_ID.replace("-0-", "-1-"), consumer_params(transfer_id="tx-2"), 40)
+    assert s.scheduler.get_num_new_matched_tokens(remote, 0) == (40, True)
+    s.scheduler.update_state_after_alloc(remote, FakeBlocks([30, 31, 32]), 40)
+    s.scheduler.build_connector_meta(SchedulerOutput({local.request_id: 64}))
+    # no stream: the response bound, 0.8 x 150 ms less the ~5 ms overhead at P's 1 ms a token
+    assert 100 <= limits[-1] <= 125
+    s.scheduler.update_connector_output(Output(finished_recving={remote.request_id}))
+    # the landed request's first token: 0.8 x 50 ms less the step of one stream
+    assert 25 <= limits[-1] <= 40
+    s.scheduler.build_connector_meta(SchedulerOutput({local.request_id: limits[-1], remote.request_id: 1}))
+    time.sleep(0.06)  # past the 50 ms this step was sized for, well within the 150 ms response bound
+    s.scheduler.update_connector_output(Output())
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).chunk_steps == ["over"]
+    assert 100 <= limits[-1] <= 125  # the step after is sized as before
+    # a transfer reported over twice shortens nothing the second time
+    count = len(limits)
+    s.scheduler.update_connector_output(Output(finished_recving={remote.request_id}))
+    assert len(limits) == count
+
+
 def test_static_d_leaves_vllms_prefill_limit_alone():
     limits: list[int] = []
     s = Scheduler(PDScheduler(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576, chunk=512,
