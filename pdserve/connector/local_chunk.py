@@ -21,8 +21,10 @@ The chunk follows D's running streams instead of being fixed at launch:
 * with neither bound (no stream, and no response bound), a prompt takes up to the cap (the whole
   prompt, for the usual cap) in one step.
 
-Several local prompts in progress share the chunk (vLLM gives each prompt up to the threshold, so
-the threshold is the chunk divided among them).
+D prefills its own prompts one at a time, in the order it took them (the scheduler holds a later
+one until the earlier is computed), so one prompt takes the whole chunk; P, which serves whole
+requests beside D's legs with serve_decode, shares its chunk among its prompts (vLLM gives each
+prompt up to the threshold, so there the threshold is the chunk divided among them).
 
 `PDScheduler` applies the result as vLLM's ``long_prefill_token_threshold`` before each step;
 `AdaptivePolicy` estimates a local prefill's TTFT with the same numbers. Free of vLLM.

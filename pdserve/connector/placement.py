@@ -342,8 +342,8 @@ class AdaptivePolicy:
         return drain_seconds(load, self._queued(view, load) + tokens) + self._config.transfer_overhead_ms / 1000
 
     def _local_ttft(self, tokens: int, view: DecodeView, costs: Coefficients, chunk: int) -> float:
-        """TTFT of a local prefill behind D's local backlog: the prompts in progress share `chunk`
-        tokens a step."""
+        """TTFT of a local prefill behind D's local backlog, which D computes first, `chunk` tokens
+        a step (one prompt after another: scheduler.py's `_queue_local`)."""
         total = view.local_backlog_tokens + tokens
         step = costs.step_seconds(min(chunk, total), view.running_decodes)
         return math.ceil(total / chunk) * step

@@ -93,6 +93,7 @@ class PDScheduler:
         self._receiving: set[str] = set()  # RecvSpec emitted
         self._received: set[str] = set()  # the worker reported the transfer over
         self._cancelled: set[str] = set()
+        self._awaiting_turn: set[str] = set()  # local prompts waiting for the one D prefills now (_queue_local)
         self._meta = StepPlan()
 
     # ---- shared ----------------------------------------------------------------------------
@@ -173,7 +174,7 @@ class PDScheduler:
             view = load.view(None)
             some = load.some_load()
             chunk = self._policy.chunk(view, self._policy.local_costs(view, some), some)
-            self._chunk_limit = threshold(chunk, load.local_prompts())
+            self._chunk_limit = threshold(chunk, 1)  # one local prompt at a time (_queue_local)
         elif self._config.placement.serve_decode:
             streams = self._own_streams(scheduled, new)
             prompts = self._accepted.keys() | self._whole.keys()
@@ -194,12 +195,11 @@ class PDScheduler:
                 self._config.role is not Role.CONSUMER:
             return
         load = self._decode_load
-        prompts = load.local_prompts()
-        if not prompts:
+        if not load.local_prompts():
             return
         view, some = load.view(None), load.some_load()
         chunk = self._policy.chunk(view, self._policy.local_costs(view, some), some, landed)
-        self._chunk_limit = min(self._chunk_limit or self._budget, threshold(chunk, prompts))
+        self._chunk_limit = min(self._chunk_limit or self._budget, threshold(chunk, 1))
         self._landing_planned = True
         self._set_chunk(self._chunk_limit)
 
@@ -241,6 +241,8 @@ class PDScheduler:
             if self._read is not None:
                 return (0, False) if self._read.admit(rid) else (None, False)
             return self._gate_prefill(request, num_computed_tokens)
+        if rid in self._awaiting_turn:
+            return self._take_turn(rid)
         if rid in self._receiving or rid in self._cancelled:
             return 0, False
         params = self._consumer_params(request)
@@ -259,8 +261,26 @@ class PDScheduler:
                                                self._decode_load.load_of(params.peer))
             self._decisions[rid] = decision  # counted once blocks are allocated (vLLM may ask again)
             if decision.placement is Placement.LOCAL:
-                return 0, False
+                return self._queue_local(request)
         return count, True
+
+    def _queue_local(self, request) -> tuple[int | None, bool]:
+        """D prefills `request` itself: now if no prompt of its own is still being prefilled,
+        otherwise after those (decode_load.py's `local_turn`). A prompt that waits is told to P at
+        once (its leg ends without running), holds no blocks, and counts in D's local backlog."""
+        if not self._decode_load.local_prompts():
+            return 0, False  # tracked once blocks are allocated (_place)
+        rid = request.request_id
+        self._decode_load.add_local(request)
+        self._awaiting_turn.add(rid)
+        self._release_leg(rid, self._recv_params.get(rid))
+        return self._take_turn(rid)
+
+    def _take_turn(self, rid: str) -> tuple[int | None, bool]:
+        if not self._decode_load.local_turn(rid):
+            return None, False  # vLLM asks again next step
+        self._awaiting_turn.discard(rid)
+        return 0, False
 
     @guarded()
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -529,10 +549,7 @@ class PDScheduler:
         if params is None or rid in self._receiving or rid in self._cancelled:
             return
         if num_external_tokens == 0:
-            if isinstance(params, TransferParams) and params.local:
-                self._cancelled.add(rid)  # P holds nothing of it: nothing to release
-            else:
-                self._cancel_recv(rid, "decode computes this prompt itself")
+            self._release_leg(rid, params)
             return
         block_ids = blocks.get_block_ids()[0][: self._num_prompt_blocks(request)]
         first_block = (request.num_prompt_tokens - num_external_tokens) // self._block_size
@@ -547,6 +564,13 @@ class PDScheduler:
                      first_block, params.remote_block_ids, params.hold_expires_at,
                      prompt_digest(request.prompt_token_ids))
         )
+
+    def _release_leg(self, rid: str, params) -> None:
+        """D prefills `rid` itself: P is told, unless P left it to us (READ) and holds nothing."""
+        if isinstance(params, TransferParams) and params.local:
+            self._cancelled.add(rid)
+        else:
+            self._cancel_recv(rid, "decode computes this prompt itself")
 
     def _cancel_recv(self, rid: str, reason: str) -> None:
         params = self._recv_params.get(rid)
@@ -612,6 +636,7 @@ class PDScheduler:
         self._receiving.discard(rid)
         self._received.discard(rid)
         self._cancelled.discard(rid)
+        self._awaiting_turn.discard(rid)
 
 
 def _prefill_complete(request) -> bool:
