@@ -1,8 +1,7 @@
 """DecodeLoad: D's view of its own load and of its prefill instances', for placement decisions.
 
 Tracks the prompts D decided to prefill itself (their uncomputed tokens are its local backlog),
-the prompts it sent to each P whose KV has not landed (those sent since P's latest published load
-are the ones that load does not count yet), the decodes of its last step, its step
+the prompts it sent to each P whose KV has not landed, the decodes of its last step, its step
 costs, the mean ITL its streams saw over the last stream lifetime (the mean output length of its
 finished requests x the ITL target: the decode-weighted mean of its step times) and over the last
 NOW_SPAN_S (how loaded its streams are now, for serve_gate.py), and the latest
@@ -12,7 +11,6 @@ load each P published. Free of vLLM (requests are read through
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 
@@ -39,15 +37,11 @@ def uncomputed_prompt_tokens(requests: dict) -> int:
 STREAM_WEIGHT = 0.05  # of each finished request in the mean output length
 CHUNK_WEIGHT = 0.2  # of each local chunk step in the measured cost of a prompt token
 MAX_SPAN_S = 120.0  # steps longer ago than this are forgotten
-# A prompt D sent P this long before P's load was taken may still be missing from it: D's word leaves
-# at D's next step and P takes it in at its next schedule (both a few ms on one host)
-WORD_LAG_S = 0.02
 NOW_SPAN_S = 2.0  # the span of `now_itl`: a few of D's status periods, short beside a stream's life
 
 
 class DecodeLoad:
-    def __init__(self, budget: int, itl_target_s: float = 0.05, clock=time.monotonic, chunk: int | None = None,
-                 wall=time.time):
+    def __init__(self, budget: int, itl_target_s: float = 0.05, clock=time.monotonic, chunk: int | None = None):
         self.budget = budget
         self.chunk = chunk or budget
         self.costs = StepCosts()
@@ -55,19 +49,18 @@ class DecodeLoad:
         self.running_decodes = 0
         self._itl_target_s = itl_target_s
         self._clock = clock
-        self._wall = wall  # unix time, as P's published loads carry it
         self._steps: deque[tuple[float, float, int]] = deque()  # (when, seconds, decodes) of D's decode steps
         self._stream_tokens = 0.0
         self._prefill_token_s: float | None = None  # what a prompt token added to D's chunk steps (EWMA)
         self._local: dict[str, object] = {}  # request id -> request prefilled here
-        self._remote: dict[str, tuple[tuple[str, int], int, float]] = {}  # request id -> (P, prompt tokens, sent at)
+        self._remote: dict[str, tuple[tuple[str, int], int]] = {}  # request id -> (P, prompt tokens)
         self._loads: dict[tuple[str, int], PrefillLoad] = {}
 
     def add_local(self, request) -> None:
         self._local[request.request_id] = request
 
     def add_remote(self, request_id: str, peer: PeerAddress, tokens: int) -> None:
-        self._remote[request_id] = ((peer.host, peer.handshake_port), tokens, self._wall())
+        self._remote[request_id] = ((peer.host, peer.handshake_port), tokens)
 
     def landed(self, request_id: str) -> None:
         self._remote.pop(request_id, None)
@@ -159,9 +152,7 @@ class DecodeLoad:
     def view(self, peer: PeerAddress | None) -> DecodeView:
         """D's side of a decision for a prompt `peer` would prefill (None: no particular P)."""
         key = (peer.host, peer.handshake_port) if peer is not None else None
-        load = self._loads.get(key)
-        counted_from = -math.inf if load is None else load.at - WORD_LAG_S
-        outstanding = sum(tokens for p, tokens, sent in self._remote.values() if p == key and sent > counted_from)
+        outstanding = sum(tokens for p, tokens in self._remote.values() if p == key)
         return DecodeView(self.running_decodes, self.local_backlog(), outstanding, self.budget,
                           self.costs.coefficients(), self.costs.knows_prefill, self.recent_itl(),
                           self._stream_tokens, self.chunk, self._prefill_token_s, self.now_itl(),

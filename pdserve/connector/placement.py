@@ -211,7 +211,7 @@ class DecodeView:
 
     running_decodes: int
     local_backlog_tokens: int  # prompt tokens D decided to prefill itself and has not computed yet
-    remote_outstanding_tokens: int  # prompt tokens D sent to this P that its latest published load does not count yet
+    remote_outstanding_tokens: int  # prompt tokens D sent to this P whose KV has not landed
     budget: int  # D's --max-num-batched-tokens: decodes and local chunks share it
     costs: Coefficients | None
     knows_prefill: bool
@@ -330,13 +330,11 @@ class AdaptivePolicy:
         return Coefficients(view.costs.overhead_s, load.per_token_s, view.costs.per_decode_s)
 
     def _queued(self, view: DecodeView, load: PrefillLoad) -> int:
-        """Prompt tokens P has left to compute now: its last published queue, aged, and what D
-        sent it since (counting every prompt D sent whose KV has not landed as a whole prompt left
-        made a P that was about to finish look a prompt behind: a 2-core EPYC run had D take a
-        third prompt estimated at 1.08 s locally against 1.08 s on P, where P had ~0.15 s left)."""
+        """Prompt tokens P has left to compute now, by its last published queue, aged, and what D
+        sent it since."""
         age = max(0.0, self._clock() - load.at)
         drained = int(age / load.per_token_s) if load.per_token_s > 0 else load.queued_tokens
-        return max(load.queued_tokens - drained, 0) + view.remote_outstanding_tokens
+        return max(load.queued_tokens - drained, view.remote_outstanding_tokens, 0)
 
     def _remote_ttft(self, tokens: int, view: DecodeView, load: PrefillLoad | None, costs: Coefficients) -> float:
         if load is None:

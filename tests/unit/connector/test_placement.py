@@ -288,26 +288,6 @@ def test_prefill_load_message_is_validated():
         PrefillLoad("h", 1, -1, 0.001, 0.0, 512, NOW).validate()
 
 
-def test_d_counts_as_outstanding_only_what_p_s_latest_load_does_not():
-    from pdserve.connector.decode_load import DecodeLoad
-    wall = [NOW]
-    decode_load = DecodeLoad(64, wall=lambda: wall[0])
-    peer = PeerAddress("127.0.0.1", 6301, 6401)
-    decode_load.add_remote("a", peer, 512)
-    wall[0] = NOW + 0.5
-    decode_load.add_remote("b", peer, 300)
-    decode_load.add_remote("elsewhere", PeerAddress("127.0.0.1", 7301, 7401), 100)
-    assert decode_load.view(peer).remote_outstanding_tokens == 812  # no load from P yet: all of it
-    # P published its queue after "a" reached it (it counts "a"), before "b"
-    decode_load.on_loads({("127.0.0.1", 6301): load(512, at=NOW + 0.3)})
-    assert decode_load.view(peer).remote_outstanding_tokens == 300
-    # so P, a little way into "a", is that much nearer done than two whole prompts
-    policy_ = AdaptivePolicy(PlacementConfig("adaptive"), clock=lambda: NOW + 0.5)
-    assert policy_._queued(decode_load.view(peer), decode_load.load_of(peer)) == 512 - 200 + 300
-    decode_load.landed("b")
-    assert decode_load.view(peer).remote_outstanding_tokens == 0
-
-
 def test_decode_load_measures_its_streams_mean_itl_over_one_stream_life():
     from pdserve.connector.decode_load import DecodeLoad
     now = [0.0]
