@@ -183,20 +183,26 @@ def test_d_prefills_locally_when_p_is_busy_and_tells_p():
     assert meta.cancels == [CancelSpec("tx-1", P_ADDRESS, "decode computes this prompt itself")]
 
 
+def _take_two_local(s: Scheduler, tokens: int) -> tuple[FakeRequest, FakeRequest]:
+    """With P busy, D takes two prompts itself: the first starts, the second waits its turn."""
+    _teach_d(s)
+    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
+    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): busy}))
+    first = FakeRequest(ROUTER_ID, consumer_params(), tokens)
+    second = FakeRequest(ROUTER_ID.replace("-0-", "-1-"), consumer_params(transfer_id="tx-2"), tokens)
+    assert s.scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
+    s.scheduler.update_state_after_alloc(first, FakeBlocks(range(tokens // BLOCK_SIZE + 1)), 0)
+    assert s.scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # its turn comes after the first's
+    return first, second
+
+
 def test_d_prefills_its_own_prompts_one_after_another():
     """A second prompt D takes while it still prefills one waits for it (it does not share the
     chunks and delay the first); P is told at once, and it holds no blocks meanwhile."""
     limits: list[int] = []
     config = make_config("kv_consumer", WRITE, placement="adaptive")
     s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
-    _teach_d(s)
-    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
-    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): busy}))
-    first = FakeRequest(ROUTER_ID, consumer_params(), 100)
-    second = FakeRequest(ROUTER_ID.replace("-0-", "-1-"), consumer_params(transfer_id="tx-2"), 100)
-    assert s.scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
-    s.scheduler.update_state_after_alloc(first, FakeBlocks(range(7)), 0)
-    assert s.scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # its turn comes after the first's
+    first, second = _take_two_local(s, 100)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({first.request_id: 64}))
     assert [c.transfer_id for c in meta.cancels] == ["tx-1", "tx-2"]  # both legs released to P now
     assert meta.placements == ["local:local_faster"]  # the second is counted when it starts
@@ -214,14 +220,7 @@ def test_d_prefills_its_own_prompts_one_after_another():
 
 def test_a_prompt_waiting_its_turn_that_ends_releases_nothing_twice():
     s = adaptive("kv_consumer")
-    _teach_d(s)
-    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
-    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): busy}))
-    first = FakeRequest(ROUTER_ID, consumer_params(), 40)
-    second = FakeRequest(ROUTER_ID.replace("-0-", "-1-"), consumer_params(transfer_id="tx-2"), 40)
-    assert s.scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
-    s.scheduler.update_state_after_alloc(first, FakeBlocks([1, 2, 3]), 0)
-    assert s.scheduler.get_num_new_matched_tokens(second, 0) == (None, False)
+    first, second = _take_two_local(s, 40)
     assert len(s.scheduler.build_connector_meta(SchedulerOutput({})).cancels) == 2
     assert s.scheduler.request_finished(second, []) == (False, None)  # the client gave up while it waited
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
