@@ -296,14 +296,14 @@ class AdaptivePolicy:
         decodes = view.running_decodes + landed
         cap = min(view.chunk or view.budget, max(0, view.budget - decodes))
         return chunk_tokens(costs, decodes, self._config.max_step_ms / 1000, cap,
-                            self._response_s(load, landed), view.chunk_headroom)
+                            self._response_s(load, landed > 0), view.chunk_headroom)
 
     def step_bound(self, decodes: int, load: PrefillLoad | None, landed: bool = False) -> float:
         """The longest a step of D with `decodes` streams and a local chunk may take (inf: none);
         `landed`: first tokens of requests whose KV just landed are in it."""
         return step_bound(decodes, self._config.max_step_ms / 1000, self._response_s(load, landed))
 
-    def _response_s(self, load: PrefillLoad | None, landed: int | bool = 0) -> float:
+    def _response_s(self, load: PrefillLoad | None, landed: bool = False) -> float:
         response = self._config.response_step_s * (RESPONSE_STRETCH if load is not None and load.decodes > 0 else 1)
         return min(response, self._config.landing_step_s) if landed else response
 
