@@ -170,11 +170,7 @@ class PDScheduler:
         if self._set_chunk is None or not isinstance(self._policy, AdaptivePolicy):
             return
         if self._config.role is Role.CONSUMER:
-            load = self._decode_load
-            view = load.view(None)
-            some = load.some_load()
-            chunk = self._policy.chunk(view, self._policy.local_costs(view, some), some)
-            self._chunk_limit = threshold(chunk, 1)  # one local prompt at a time (_queue_local)
+            self._chunk_limit = self._local_chunk_limit()
         elif self._config.placement.serve_decode:
             streams = self._own_streams(scheduled, new)
             prompts = self._accepted.keys() | self._whole.keys()
@@ -194,14 +190,18 @@ class PDScheduler:
         if self._set_chunk is None or not isinstance(self._policy, AdaptivePolicy) or \
                 self._config.role is not Role.CONSUMER:
             return
-        load = self._decode_load
-        if not load.local_prompts():
+        if not self._decode_load.local_prompts():
             return
-        view, some = load.view(None), load.some_load()
-        chunk = self._policy.chunk(view, self._policy.local_costs(view, some), some, landed)
-        self._chunk_limit = min(self._chunk_limit or self._budget, threshold(chunk, 1))
+        self._chunk_limit = min(self._chunk_limit or self._budget, self._local_chunk_limit(landed))
         self._landing_planned = True
         self._set_chunk(self._chunk_limit)
+
+    def _local_chunk_limit(self, landed: int = 0) -> int:
+        """D: vLLM's per-prompt limit for its next step, the whole local chunk (one local prompt
+        computes at a time: _queue_local), with `landed` first tokens in the step."""
+        load = self._decode_load
+        view, some = load.view(None), load.some_load()
+        return threshold(self._policy.chunk(view, self._policy.local_costs(view, some), some, landed), 1)
 
     def _end_step(self) -> None:
         if self._step is not None:
