@@ -39,6 +39,8 @@ every seed; the same blocks are drawn for every configuration and rate, since ev
 the same request stream, so each ratio's interval is that of a paired comparison. The same resamples
 give each per-rate attainment difference ("Attainment minus ...") its interval: it tells two
 configurations apart where their goodputs cannot (both below the lowest rate or above the highest).
+Every configuration is set against the best plain one; adaptive placement also against each other
+plain configuration and against its static disaggregation.
 """
 
 
@@ -238,14 +240,19 @@ def _curves(plan: BenchPlan, curves: dict, slo_name: str) -> list[str]:
 
 
 def _differences(plan: BenchPlan, curves: dict, slo_name: str, comparison: Comparison | None) -> list[str]:
-    """Attainment minus the best plain configuration's (and, for adaptive, static write's) at each
-    rate, on the same requests, with the paired bootstrap interval: it tells configurations apart
-    where their goodputs cannot (both below the lowest rate, or both above the highest)."""
+    """Attainment minus the best plain configuration's at each rate, on the same requests, with the
+    paired bootstrap interval: it tells configurations apart where their goodputs cannot (both
+    below the lowest rate, or both above the highest). Adaptive placement is also set against every
+    other plain configuration (the best by goodput is first listed on ties, and the claim is
+    against each of them) and against its static disaggregation (write, read)."""
     if comparison is None or not comparison.difference_ci:
         return []
     rates = sorted(plan.rates)
     best = best_plain(plan, curves, slo_name)
     tables = [(best, [c for c in plan.configs if c != best])] if best else []
+    adaptive = [c for c in plan.configs if base_config(c) in STATIC_OF_ADAPTIVE]
+    tables += [(plain, adaptive) for plain in plan.configs
+               if plain in PLAIN_CONFIGS and plain != best and (plain, slo_name) in curves]
     for static in _statics(plan):
         if static != best:
             tables.append((static, [c for c in plan.configs if STATIC_OF_ADAPTIVE.get(base_config(c)) == static]))

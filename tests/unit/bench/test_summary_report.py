@@ -186,3 +186,28 @@ def test_report_shows_paired_attainment_differences_from_the_best_plain_configur
     row = next(line for line in table if line.startswith("| round-robin |"))
     cells = [c.strip() for c in row.split("|")[2:-1]]
     assert cells[0].startswith("+0.00 [") and cells[1].startswith("-0.10 [") and cells[2].startswith("-0.30 [")
+
+
+def test_adaptive_is_set_against_every_plain_configuration_not_only_the_best(measured, tmp_path):
+    plan, _, runs = measured
+    import dataclasses
+
+    from pdserve.bench.plan import Point
+
+    # adaptive measured like collocated (the best plain one here), so it also has a table against round-robin
+    three = dataclasses.replace(plan, configs=("collocated", "round-robin", "adaptive"))
+    both = dict(runs)
+    both.update({Point("adaptive", p.rate, p.seed): r for p, r in runs.items() if p.config == "collocated"})
+    lines = write_report(three, both, tmp_path / "three.md").splitlines()
+    title = "### Attainment minus round-robin's, per rate (same requests; paired block bootstrap, 95 % CI)"
+    start = lines.index(title)  # the first SLO's (blog) table
+    table = lines[start:lines.index("", start + 3)]
+    assert [line.split("|")[1].strip() for line in table[4:]] == ["adaptive"]  # adaptive only, not collocated
+    cells = [c.strip() for c in table[4].split("|")[2:-1]]
+    # adaptive - round-robin under blog: 1.0-1.0, 0.9-0.8, 0.5-0.2
+    assert cells[0].startswith("+0.00 [") and cells[1].startswith("+0.10 [") and cells[2].startswith("+0.30 [")
+    best = lines.index("### Attainment minus collocated's, per rate (same requests; paired block bootstrap, 95 % CI)")
+    assert best < start  # the best plain configuration's table comes first, with every configuration
+    plain_only = write_report(dataclasses.replace(plan, configs=("collocated", "round-robin")), runs, tmp_path / "p.md")
+    # without adaptive placement, one table per SLO: the best plain configuration's
+    assert sum(line.startswith("### Attainment minus") for line in plain_only.splitlines()) == len(plan.slos)
