@@ -1,7 +1,8 @@
 """DecodeLoad: D's view of its own load and of its prefill instances', for placement decisions.
 
 Tracks the prompts D decided to prefill itself (their uncomputed tokens are its local backlog),
-the prompts it sent to each P whose KV has not landed, the decodes of its last step, its step
+the prompts it sent to each P whose KV has not landed (and whether a load P published counted them
+yet: once it has, P's aged queue covers them), the decodes of its last step, its step
 costs, the mean ITL its streams saw over the last stream lifetime (the mean output length of its
 finished requests x the ITL target: the decode-weighted mean of its step times) and over the last
 NOW_SPAN_S (how loaded its streams are now, for serve_gate.py), and the latest
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from pdserve.connector.chunk_headroom import ChunkHeadroom
 from pdserve.connector.local_chunk import MIN_CHUNK
@@ -20,6 +22,16 @@ from pdserve.connector.placement import DecodeView
 from pdserve.connector.step_costs import StepCosts
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import PrefillLoad
+
+
+@dataclass
+class _Remote:
+    """A prompt D sent to a prefill instance, until its KV lands."""
+
+    peer: tuple[str, int]
+    tokens: int
+    transfer_id: str
+    counted: bool = False  # a load of that P named it: P's published queue counts it from then on
 
 
 def uncomputed_prompt_tokens(requests: dict) -> int:
@@ -53,14 +65,14 @@ class DecodeLoad:
         self._stream_tokens = 0.0
         self._prefill_token_s: float | None = None  # what a prompt token added to D's chunk steps (EWMA)
         self._local: dict[str, object] = {}  # request id -> request prefilled here
-        self._remote: dict[str, tuple[tuple[str, int], int]] = {}  # request id -> (P, prompt tokens)
+        self._remote: dict[str, _Remote] = {}  # request id -> a prompt sent to a P, until its KV lands
         self._loads: dict[tuple[str, int], PrefillLoad] = {}
 
     def add_local(self, request) -> None:
         self._local[request.request_id] = request
 
-    def add_remote(self, request_id: str, peer: PeerAddress, tokens: int) -> None:
-        self._remote[request_id] = ((peer.host, peer.handshake_port), tokens)
+    def add_remote(self, request_id: str, peer: PeerAddress, tokens: int, transfer_id: str = "") -> None:
+        self._remote[request_id] = _Remote((peer.host, peer.handshake_port), tokens, transfer_id)
 
     def landed(self, request_id: str) -> None:
         self._remote.pop(request_id, None)
@@ -125,6 +137,11 @@ class DecodeLoad:
 
     def on_loads(self, loads: dict[tuple[str, int], PrefillLoad]) -> None:
         self._loads.update(loads)
+        for key, load in loads.items():
+            counted = set(load.counted_transfers)
+            for remote in self._remote.values():
+                if remote.peer == key and remote.transfer_id in counted:
+                    remote.counted = True
 
     def load_of(self, peer: PeerAddress) -> PrefillLoad | None:
         return self._loads.get((peer.host, peer.handshake_port))
@@ -152,7 +169,7 @@ class DecodeLoad:
     def view(self, peer: PeerAddress | None) -> DecodeView:
         """D's side of a decision for a prompt `peer` would prefill (None: no particular P)."""
         key = (peer.host, peer.handshake_port) if peer is not None else None
-        outstanding = sum(tokens for p, tokens in self._remote.values() if p == key)
+        outstanding = sum(r.tokens for r in self._remote.values() if r.peer == key and not r.counted)
         return DecodeView(self.running_decodes, self.local_backlog(), outstanding, self.budget,
                           self.costs.coefficients(), self.costs.knows_prefill, self.recent_itl(),
                           self._stream_tokens, self.chunk, self._prefill_token_s, self.now_itl(),

@@ -167,8 +167,9 @@ class TransferEngine:
         self._send(spec.peer, PrefillStarted(spec.transfer_id))
 
     def publish_load(self, load: PrefillLoad) -> None:
-        """P: tell every decode instance we know how busy we are (rate-limited)."""
-        if not self._placement.publish_due():
+        """P: tell every decode instance we know how busy we are (rate-limited, but at once when
+        the queue D counts on changed)."""
+        if not self._placement.publish_due((load.queued_tokens, tuple(load.counted_transfers), load.decodes)):
             return
         for peer in self._peers.ready():
             self._notify(peer.address, load, peer.key)

@@ -211,7 +211,7 @@ class DecodeView:
 
     running_decodes: int
     local_backlog_tokens: int  # prompt tokens D decided to prefill itself and has not computed yet
-    remote_outstanding_tokens: int  # prompt tokens D sent to this P whose KV has not landed
+    remote_outstanding_tokens: int  # prompt tokens D sent to this P that no load of P's counted yet
     budget: int  # D's --max-num-batched-tokens: decodes and local chunks share it
     costs: Coefficients | None
     knows_prefill: bool
@@ -330,11 +330,13 @@ class AdaptivePolicy:
         return Coefficients(view.costs.overhead_s, load.per_token_s, view.costs.per_decode_s)
 
     def _queued(self, view: DecodeView, load: PrefillLoad) -> int:
-        """Prompt tokens P has left to compute now, by its last published queue, aged, and what D
-        sent it since."""
+        """Prompt tokens P has left to compute now: its last published queue, aged, and the prompts
+        D sent it that no load of P's counted yet. (Counting every prompt whose KV had not landed
+        as a whole prompt left made a P most of the way through one look a prompt behind.)"""
         age = max(0.0, self._clock() - load.at)
-        drained = int(age / load.per_token_s) if load.per_token_s > 0 else load.queued_tokens
-        return max(load.queued_tokens - drained, view.remote_outstanding_tokens, 0)
+        busy = drain_seconds(load, load.queued_tokens)  # P's steps for its queue, overheads too
+        left = math.ceil(load.queued_tokens * (1 - age / busy)) if age < busy else 0
+        return left + view.remote_outstanding_tokens
 
     def _remote_ttft(self, tokens: int, view: DecodeView, load: PrefillLoad | None, costs: Coefficients) -> float:
         if load is None:

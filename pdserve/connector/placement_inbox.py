@@ -25,6 +25,7 @@ class PlacementInbox:
         self._awaiting: OrderedDict[str, tuple[str, float]] = OrderedDict()  # transfer id -> (request id, expiry)
         self._news = WorkerNews()
         self._next_publish = 0.0
+        self._published: object = None  # the content of the last publish_due that said yes
 
     # ---- P ---------------------------------------------------------------------------------
 
@@ -51,11 +52,16 @@ class PlacementInbox:
         """READ: a decode instance's side of the placements P decides (read_placement.py)."""
         self._news.statuses[(status.decode_host, status.decode_handshake_port)] = status
 
-    def publish_due(self) -> bool:
+    def publish_due(self, content: object = None) -> bool:
+        """Whether to publish now: at most every PUBLISH_EVERY_S, and at once when `content` (what
+        the receivers act on) differs from the last published. P's queue changes at the start of
+        the step that computes a new prompt; a rate limit alone dropped that load whenever an
+        empty step had published within the period, and D then saw no queue for the whole step."""
         now = time.monotonic()
-        if now < self._next_publish:
+        if now < self._next_publish and (content is None or content == self._published):
             return False
         self._next_publish = now + PUBLISH_EVERY_S
+        self._published = content
         return True
 
     # ---- D ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from pdserve.connector.serve_gate import STATUS_EVERY_S
 from pdserve.connector.step_costs import StepCosts
 from pdserve.connector.whole_requests import SERVED_WHOLE, addressed_to_self
 from pdserve.control.address import PeerAddress
-from pdserve.control.messages import MAX_PREFILL_PEERS, DecodeStatus, PrefillLoad
+from pdserve.control.messages import MAX_COUNTED_TRANSFERS, MAX_PREFILL_PEERS, DecodeStatus, PrefillLoad
 from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params
 
@@ -71,6 +71,7 @@ class PDScheduler:
         self._costs = StepCosts()
         self._prefill_share = PrefillShare()  # P: its time in prefill steps (published in its load, serve_gate.py)
         self._accepted: dict[str, Any] = {}  # legs D wants prefilled here, until their prompt is computed
+        self._accepted_transfers: dict[str, str] = {}  # WRITE: request id -> transfer id of each accepted leg
         self._whole: dict[str, Any] = {}  # requests served whole here (not legs), until their prompt is computed
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
         # D, placement
@@ -345,6 +346,7 @@ class PDScheduler:
         self._legs.pop(rid, None)
         if verdict is Verdict.PREFILL:
             self._accepted[rid] = request
+            self._accepted_transfers[rid] = params.transfer_id
         return 0, False
 
     def _place_read_leg(self, request) -> None:
@@ -387,9 +389,12 @@ class PDScheduler:
         if costs is None:
             return None
         queued = uncomputed_prompt_tokens(self._accepted) + uncomputed_prompt_tokens(self._whole)
+        for rid in self._accepted_transfers.keys() - self._accepted.keys():
+            del self._accepted_transfers[rid]  # computed: no longer in the queue
+        counted = list(self._accepted_transfers.values())[:MAX_COUNTED_TRANSFERS]
         return PrefillLoad(self._config.host_ip, self._config.handshake_port, queued, costs.per_prefill_token_s,
                            costs.overhead_s, self._step_prefill, time.time(), self._prefill_share.share(),
-                           self._prefill_share.streams())
+                           self._prefill_share.streams(), counted)
 
     def _track_send(self, request) -> None:
         rid = request.request_id
@@ -437,6 +442,7 @@ class PDScheduler:
     def _finish_write_send(self, request) -> tuple[bool, None]:
         rid = request.request_id
         self._accepted.pop(rid, None)
+        self._accepted_transfers.pop(rid, None)
         self._whole.pop(rid, None)
         self._legs.pop(rid, None)
         if self._gate is not None:
@@ -510,7 +516,7 @@ class PDScheduler:
         if num_external_tokens == 0:
             self._decode_load.add_local(request)
         else:
-            self._decode_load.add_remote(request.request_id, params.peer, num_external_tokens)
+            self._decode_load.add_remote(request.request_id, params.peer, num_external_tokens, params.transfer_id)
 
     def _consumer_params(self, request) -> TransferParams | ProtocolError | None:
         rid = request.request_id

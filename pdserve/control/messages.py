@@ -60,6 +60,7 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PROC_FD = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,9}")
 MAX_PREFILL_PEERS = 256  # prefill instances a DecodeStatus reports on
+MAX_COUNTED_TRANSFERS = 64  # legs a PrefillLoad names: far above a queue D would still send to
 MAX_NIXL_METADATA = 256 * 1024  # a NIXL agent's metadata: ~0.5 KiB per registered region
 
 
@@ -279,7 +280,9 @@ class PrefillLoad:
     """P -> D (adaptive placement): prompt tokens P has accepted and not yet computed, and what
     its steps cost (learnt from the steps it ran), measured at unix time `at`. D estimates how
     long a prompt it sends now waits at P. `prefill_host`:`prefill_handshake_port` names the
-    P (as the router's kv_transfer_params do)."""
+    P (as the router's kv_transfer_params do). `counted_transfers`: the transfer ids of the legs
+    `queued_tokens` counts (at most MAX_COUNTED_TRANSFERS; a longer queue lists its oldest), so
+    D adds to it only the prompts it sent that P had not taken in yet."""
 
     prefill_host: str
     prefill_handshake_port: int
@@ -290,9 +293,14 @@ class PrefillLoad:
     at: float
     prefill_share: float = 0.0  # of the last few seconds, the share P spent in steps with prompt tokens (connector/prefill_share.py)
     decodes: int = 0  # streams P decodes itself (requests it serves whole), as of its latest step
+    counted_transfers: list[str] = dataclasses.field(default_factory=list)
 
     def validate(self) -> None:
         _check(0 < len(self.prefill_host) <= 255, type(self), "prefill_host must be a host name")
+        _check(len(self.counted_transfers) <= MAX_COUNTED_TRANSFERS, type(self),
+               f"{len(self.counted_transfers)} counted transfers (max {MAX_COUNTED_TRANSFERS})")
+        _check(all(0 < len(t) <= 256 for t in self.counted_transfers), type(self),
+               "counted_transfers must be transfer ids of 1..256 characters")
         _check(0 < self.prefill_handshake_port < 65536, type(self), "prefill_handshake_port is not a port")
         _check(0 <= self.queued_tokens < 1 << 40, type(self), f"queued_tokens {self.queued_tokens} out of range")
         _check(0 < self.budget < 1 << 30, type(self), f"budget {self.budget} out of range")

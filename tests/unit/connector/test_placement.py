@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 
 import pytest
 
@@ -10,12 +12,12 @@ from pdserve.config import parse_connector_config
 from pdserve.connector.metadata import AwaitSpec
 from pdserve.connector.placement import (AdaptivePolicy, DecodeView, Placement, PlacementConfig, Reason,
                                          StaticPolicy, drain_seconds, parse_placement)
-from pdserve.connector.placement_inbox import PlacementInbox
+from pdserve.connector.placement_inbox import PUBLISH_EVERY_S, PlacementInbox
 from pdserve.connector.prefill_gate import PrefillGate, Verdict
 from pdserve.connector.step_costs import REFIT_EVERY, Coefficients, StepCosts
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import PrefillLoad
-from pdserve.errors import ConfigError
+from pdserve.errors import ConfigError, ProtocolError
 
 NOW = 1000.0
 COSTS = Coefficients(overhead_s=0.010, per_prefill_token_s=0.001, per_decode_s=0.001)  # AMD-like: 1 ms/token
@@ -233,6 +235,50 @@ def test_placement_inbox_reports_decisions_once():
     assert news.decided == {"r1": True, "r2": False}
     assert news.loads[("127.0.0.1", 6301)].queued_tokens == 7
     assert inbox.take() is None
+
+
+def test_p_publishes_a_changed_queue_at_once_and_an_unchanged_one_at_most_every_period():
+    inbox = PlacementInbox(expiry_s=60)
+    assert inbox.publish_due((0, (), 0))
+    assert not inbox.publish_due((0, (), 0))  # the same within the period: once is enough
+    assert inbox.publish_due((512, ("t1",), 0))  # a new prompt in the queue: D must hear it now
+    assert not inbox.publish_due((512, ("t1",), 0))
+    time.sleep(PUBLISH_EVERY_S * 1.5)
+    assert inbox.publish_due((512, ("t1",), 0))  # the period passed: again, as a heartbeat
+
+
+def test_d_adds_to_p_s_aged_queue_only_the_prompts_no_load_of_p_s_counted():
+    """A P most of the way through a prompt D sent it is not a whole prompt behind: once P's load
+    named that prompt, P's published queue, aged, is what is left of it."""
+    from pdserve.connector.decode_load import DecodeLoad
+    decode_load = DecodeLoad(64)
+    peer = PeerAddress("127.0.0.1", 6301, 6401)
+    decode_load.add_remote("a", peer, 512, "ta")
+    decode_load.add_remote("elsewhere", PeerAddress("127.0.0.1", 7301, 7401), 100, "tx")
+    assert decode_load.view(peer).remote_outstanding_tokens == 512  # P has not named it: all of it
+    # P's load at the start of the step computing "a" names it; a second prompt arrives after
+    decode_load.on_loads({("127.0.0.1", 6301): dataclasses.replace(load(512, at=NOW), counted_transfers=["ta"])})
+    decode_load.add_remote("b", peer, 300, "tb")
+    assert decode_load.view(peer).remote_outstanding_tokens == 300
+    # 0.4 s into "a" (a 5-ms step and 1 ms a token: 0.517 s): 116 of its tokens left, then "b"
+    at_04 = AdaptivePolicy(PlacementConfig("adaptive"), clock=lambda: NOW + 0.4)
+    assert at_04._queued(decode_load.view(peer), decode_load.load_of(peer)) == math.ceil(512 * 0.117 / 0.517) + 300
+    at_06 = AdaptivePolicy(PlacementConfig("adaptive"), clock=lambda: NOW + 0.6)
+    assert at_06._queued(decode_load.view(peer), decode_load.load_of(peer)) == 300  # "a" is done by now
+    # a load of another P names nothing of this one's
+    decode_load.on_loads({("127.0.0.1", 7301): dataclasses.replace(load(0), counted_transfers=["tb"])})
+    assert decode_load.view(peer).remote_outstanding_tokens == 300
+    decode_load.landed("b")
+    assert decode_load.view(peer).remote_outstanding_tokens == 0
+    assert decode_load.view(PeerAddress("127.0.0.1", 7301, 7401)).remote_outstanding_tokens == 100
+
+
+def test_prefill_load_names_a_bounded_number_of_transfers():
+    PrefillLoad("h", 1, 0, 0.001, 0.0, 512, NOW, counted_transfers=["t"] * 64).validate()
+    with pytest.raises(ProtocolError, match="counted transfers"):
+        PrefillLoad("h", 1, 0, 0.001, 0.0, 512, NOW, counted_transfers=["t"] * 65).validate()
+    with pytest.raises(ProtocolError, match="counted_transfers"):
+        PrefillLoad("h", 1, 0, 0.001, 0.0, 512, NOW, counted_transfers=[""]).validate()
 
 
 def test_placement_config_is_parsed_once_with_clear_errors():

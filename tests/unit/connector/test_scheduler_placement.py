@@ -147,6 +147,26 @@ def test_p_publishes_its_queue_once_it_knows_its_costs():
         (P_ADDRESS.host, P_ADDRESS.handshake_port, 1000, 64)
 
 
+def test_p_names_the_legs_its_published_queue_counts():
+    """D adds to P's aged queue only the prompts P had not taken in: P's load names the transfers it
+    counts, from the step that computes them until they are computed."""
+    s = adaptive("kv_producer")
+    request = FakeRequest(ROUTER_ID, producer_params(), 1000)
+    s.scheduler.get_num_new_matched_tokens(request, 0)
+    for _ in range(10):
+        s.scheduler.build_connector_meta(SchedulerOutput({"other": 64}))
+        s.scheduler.update_connector_output(Output())
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).load.counted_transfers == []  # waiting for D's word
+    s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: True}))
+    s.scheduler.get_num_new_matched_tokens(request, 0)
+    load = s.scheduler.build_connector_meta(SchedulerOutput({ROUTER_ID: 1000})).load
+    assert (load.queued_tokens, load.counted_transfers) == (1000, [producer_params()["transfer_id"]])
+    request.num_computed_tokens = 1000
+    load = s.scheduler.build_connector_meta(SchedulerOutput({})).load
+    assert (load.queued_tokens, load.counted_transfers) == (0, [])
+    assert s.scheduler._accepted_transfers == {}  # bounded by the queue
+
+
 def test_p_counts_the_prompts_it_serves_whole_in_its_published_queue():
     """A request that is not a leg (served whole, or sent to P directly) takes P's prefill steps
     like an accepted leg: D's estimate of P's wait must see it."""

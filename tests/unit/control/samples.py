@@ -47,6 +47,7 @@ SAMPLES = {
     "chunk_headroom": 0.7,
     "prefill_share": 0.4,
     "decodes": 2,
+    "counted_transfers": ["xfer-1", "xfer-2"],
     "prefill_token_s": 0.0006,
     "placed_local": {"127.0.0.1:6301": 7},
 }
