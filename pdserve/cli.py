@@ -12,7 +12,8 @@ import sys
 
 from pdserve.errors import PDServeError
 
-SUBCOMMAND_MODULES = ("pdserve.model.cli", "pdserve.launch.cli", "pdserve.launch.per_host_cli", "pdserve.bench.cli")
+SUBCOMMAND_MODULES = ("pdserve.model.cli", "pdserve.launch.cli", "pdserve.launch.per_host_cli", "pdserve.bench.cli",
+                       "pdserve.bench.pair_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

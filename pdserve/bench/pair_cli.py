@@ -1,0 +1,36 @@
+"""`pdserve bench-pair A_DIR:CONFIG B_DIR:CONFIG`: one configuration of two bench runs, request by
+request (pairing.py), printed as markdown (and written to --out)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pdserve.slo import SLO
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench-pair", help="set one configuration of two bench runs against each other, request by request",
+        description="Attainment per shared rate and SLO of A's and B's configuration on the same requests, B minus "
+                    "A with a paired block-bootstrap interval, and TTFT percentiles. Both runs must come from the "
+                    "same plan (seeds, prompts, workload, scored window), e.g. before and after a change.",
+        epilog="example: pdserve bench-pair benchmarks/before:adaptive=before benchmarks/after:adaptive=after")
+    p.add_argument("a", metavar="A_DIR:CONFIG[=LABEL]", help="the baseline run and configuration")
+    p.add_argument("b", metavar="B_DIR:CONFIG[=LABEL]", help="the run and configuration set against it")
+    p.add_argument("--slo", action="append", metavar="NAME:SPEC",
+                   help="judge under this SLO instead of A's plan's (repeatable), e.g. 'blog:ttft<1000,mean_itl<50'")
+    p.add_argument("--out", type=Path, help="also write the markdown here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.bench.pairing import Side, pair, render
+
+    slos = tuple(SLO.parse(s) for s in args.slo or ())
+    text = render(pair(Side.parse(args.a), Side.parse(args.b), slos))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text, end="")
+    return 0
