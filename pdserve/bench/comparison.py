@@ -60,7 +60,7 @@ def compare(plan: BenchPlan, runs: dict[Point, BenchRun], slo: SLO) -> Compariso
         return None
     rates = sorted(plan.rates)
     sizes = np.array([len(b) for _, b in cut], dtype=float)
-    met = {c: np.array([[_met(runs[Point(c, r, seed)], positions, slo) for seed, positions in cut] for r in rates])
+    met = {c: np.array([[num_met(runs[Point(c, r, seed)], positions, slo) for seed, positions in cut] for r in rates])
            for c in configs}
     pairs = [(a, b) for a in configs for b in configs if a != b]
 
@@ -79,5 +79,6 @@ def compare(plan: BenchPlan, runs: dict[Point, BenchRun], slo: SLO) -> Compariso
                       dict(zip(differences, intervals[n + m:])))
 
 
-def _met(run: BenchRun, positions: range, slo: SLO) -> int:
+def num_met(run: BenchRun, positions: range, slo: SLO) -> int:
+    """How many of the requests at `positions` of `run` met `slo`."""
     return sum(judge(run.records[i], slo) is Verdict.MET for i in positions)

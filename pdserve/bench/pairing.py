@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.attainment import Verdict, judge
-from pdserve.bench.comparison import blocks
+from pdserve.bench.comparison import blocks, num_met
 from pdserve.bench.plan import BenchPlan, Point
 from pdserve.bench.records import BenchRun
 from pdserve.bench.results import ResultsDir
@@ -118,8 +117,8 @@ def pair(a: Side, b: Side, slos: tuple[SLO, ...] = ()) -> Pairing:
 
 
 def _met(runs: dict, rates: list[float], cut, slo: SLO) -> np.ndarray:
-    return np.array([[sum(judge(runs[(r, seed)].records[i], slo) is Verdict.MET for i in positions)
-                      for seed, positions in cut] for r in rates], dtype=float)
+    return np.array([[num_met(runs[(r, seed)], positions, slo) for seed, positions in cut] for r in rates],
+                    dtype=float)
 
 
 def _ttft(runs: dict, rate: float, cut) -> tuple[float, ...]:
