@@ -3,7 +3,7 @@
 Tracks the prompts D decided to prefill itself (their uncomputed tokens are its local backlog),
 the prompts it sent to each P whose KV has not landed (and whether a load P published counted them
 yet: once it has, P's aged queue covers them), the decodes of its last step, its step
-costs, the mean ITL its streams saw over the last stream lifetime (the mean output length of its
+costs, how long the path of its remote prompts around P's compute measured (remote_path.py), the mean ITL its streams saw over the last stream lifetime (the mean output length of its
 finished requests x the ITL target: the decode-weighted mean of its step times) and over the last
 NOW_SPAN_S (how loaded its streams are now, for serve_gate.py), and the latest
 load each P published. Free of vLLM (requests are read through
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pdserve.connector.chunk_headroom import ChunkHeadroom
 from pdserve.connector.local_chunk import MIN_CHUNK
 from pdserve.connector.placement import DecodeView
+from pdserve.connector.remote_path import RemotePath
 from pdserve.connector.step_costs import StepCosts
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import PrefillLoad
@@ -58,6 +59,7 @@ class DecodeLoad:
         self.chunk = chunk or budget
         self.costs = StepCosts()
         self.headroom = ChunkHeadroom()  # how full of its bound a local chunk step is planned
+        self.remote_path = RemotePath(clock=clock)  # a remote TTFT beyond P's compute, measured
         self.running_decodes = 0
         self._itl_target_s = itl_target_s
         self._clock = clock
@@ -71,15 +73,21 @@ class DecodeLoad:
     def add_local(self, request) -> None:
         self._local[request.request_id] = request
 
-    def add_remote(self, request_id: str, peer: PeerAddress, tokens: int, transfer_id: str = "") -> None:
+    def add_remote(self, request_id: str, peer: PeerAddress, tokens: int, transfer_id: str = "",
+                   compute_s: float | None = None) -> None:
+        """`compute_s`: P's compute for it (its queue first) as the decision estimated it (None: no estimate)."""
         self._remote[request_id] = _Remote((peer.host, peer.handshake_port), tokens, transfer_id)
+        if compute_s is not None:
+            self.remote_path.placed(request_id, compute_s)
 
     def landed(self, request_id: str) -> None:
         self._remote.pop(request_id, None)
+        self.remote_path.landed(request_id)
 
     def forget(self, request_id: str) -> None:
         self._local.pop(request_id, None)
         self._remote.pop(request_id, None)
+        self.remote_path.forget(request_id)
 
     def streams_after(self, scheduled: dict[str, int]) -> int:
         """How many of the requests this step computes decode in the next one: all but the local
@@ -173,4 +181,4 @@ class DecodeLoad:
         return DecodeView(self.running_decodes, self.local_backlog(), outstanding, self.budget,
                           self.costs.coefficients(), self.costs.knows_prefill, self.recent_itl(),
                           self._stream_tokens, self.chunk, self._prefill_token_s, self.now_itl(),
-                          self.headroom.headroom())
+                          self.headroom.headroom(), self.remote_path.seconds())

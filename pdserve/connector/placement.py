@@ -9,7 +9,8 @@ While P has nothing queued the prompt goes to P (`prefill_idle`): P starts it at
 free to decide the next request and to give landed requests their first token, which a local
 prefill step would hold back (a first build that took the faster side here made a request that
 arrived during D's ~570 ms local step on one EPYC core wait for D's decision while P sat idle).
-Otherwise `AdaptivePolicy` estimates the TTFT of each placement from measured step costs and picks
+Otherwise `AdaptivePolicy` estimates the TTFT of each placement from measured step costs (a remote
+one also from the path around P's compute that D measured, remote_path.py) and picks
 the smaller one, within two bounds that protect D's running streams (that is what disaggregation is for):
 
 * mean ITL (`itl_target_ms`, what the usual SLOs bound): a stream of L tokens sees every prompt
@@ -85,6 +86,7 @@ class Decision:
     reason: Reason
     ttft_local_s: float | None = None
     ttft_remote_s: float | None = None
+    compute_s: float | None = None  # of ttft_remote_s, P's compute of its queue and the prompt (remote_path.py)
 
     @property
     def label(self) -> str:
@@ -103,7 +105,9 @@ class PlacementConfig:
     wait_s: float = 2.0  # P: how long a prefill leg waits for D's decision before prefilling anyway
     itl_target_ms: float = 50.0  # D: its running streams' mean ITL must stay under this
     max_step_ms: float = 50.0  # D: no local chunk step may take longer while D decodes
-    transfer_overhead_ms: float = 20.0  # D: router hop + transfer + D's first step, added to remote TTFT
+    # D: the path around P's compute in a remote TTFT (P's wait for D's word, the KV's landing, D's
+    # pick-up and first-token step); None: D measures it (remote_path.py), DEFAULT_PATH_MS until then
+    transfer_overhead_ms: float | None = None
     max_local_tokens: float = float("inf")  # D: never prefill more uncached tokens than this itself
     serve_decode: bool = False  # P: also a decode instance for the router, serving whole requests (whole_requests.py)
     eager: bool = False  # P: with no prompt to compute, start a leg before D's word (eager_prefill.py)
@@ -141,6 +145,7 @@ PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "max_step_ms",
 ITL_HEADROOM = 0.9  # of the mean-ITL allowance a local prefill may use: streams differ from the mean
 RESPONSE_SHARE = 0.15  # of the TTFT bound one local prefill step may hold back decisions and landed first tokens
 DEFAULT_TTFT_MS = 1000.0  # the TTFT bound of a deployment that declares none (the blog SLO's)
+DEFAULT_PATH_MS = 20.0  # the remote path until D measured its own: router hop, transfer and D's first step (an early audit)
 TTFT_HEADROOM = 0.8  # of the TTFT target P's estimate must stay within: the estimate leaves out the client's hops
 
 
@@ -221,6 +226,7 @@ class DecodeView:
     prefill_token_s: float | None = None  # what one prompt token added to D's chunk steps, measured (None: none yet)
     now_itl_s: float | None = None  # mean ITL of D's streams over the last few seconds (None: no token in them)
     chunk_headroom: float = STEP_HEADROOM  # of its bound a local chunk step is planned to fill (chunk_headroom.py)
+    remote_path_s: float | None = None  # a remote TTFT beyond P's compute, measured (remote_path.py; None: not yet)
 
 
 class PlacementPolicy(Protocol):
@@ -250,23 +256,26 @@ class AdaptivePolicy:
             return Decision(Placement.REMOTE, Reason.WARMING_UP)
         if load is not None and load.decodes > 0:
             return self._balance(uncached_tokens, view, load, local_costs, local_delay_s)
-        if load is not None and self._queued(view, load) == 0:
-            return Decision(Placement.REMOTE, Reason.PREFILL_IDLE)  # P starts it at once; D stays free
+        if load is not None and self._queued(view, load) == 0:  # P starts it at once; D stays free
+            return Decision(Placement.REMOTE, Reason.PREFILL_IDLE, None,
+                            self._remote_ttft(uncached_tokens, view, load, local_costs),
+                            self._compute(uncached_tokens, view, load, local_costs))
         remote = self._remote_ttft(uncached_tokens, view, load, local_costs)
+        compute = self._compute(uncached_tokens, view, load, local_costs)
         chunk = self.chunk(view, local_costs)
         if chunk < MIN_CHUNK:
-            return Decision(Placement.REMOTE, Reason.STEP_GUARD, None, remote)
+            return Decision(Placement.REMOTE, Reason.STEP_GUARD, None, remote, compute)
         local = local_delay_s + self._local_ttft(uncached_tokens, view, local_costs, chunk)
         if local >= remote:
-            return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote)
+            return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote, compute)
         if math.isfinite(self._config.ttft_target_ms) and remote <= TTFT_HEADROOM * self._config.ttft_target_ms / 1000:
-            return Decision(Placement.REMOTE, Reason.WITHIN_TTFT, local, remote)
+            return Decision(Placement.REMOTE, Reason.WITHIN_TTFT, local, remote, compute)
         if view.running_decodes > 0 and not self._within_itl(uncached_tokens, view, local_costs, ITL_HEADROOM):
             target_s = self._config.ttft_target_ms / 1000
             if remote > target_s >= local and self._within_itl(uncached_tokens, view, local_costs, 1.0):
-                return Decision(Placement.LOCAL, Reason.TTFT_RESCUE, local, remote)
-            return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote)
-        return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)
+                return Decision(Placement.LOCAL, Reason.TTFT_RESCUE, local, remote, compute)
+            return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote, compute)
+        return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote, compute)
 
     def _balance(self, tokens: int, view: DecodeView, load: PrefillLoad, costs: Coefficients,
                  local_delay_s: float) -> Decision:
@@ -275,18 +284,19 @@ class AdaptivePolicy:
         queued = self._queued(view, load)
         remote = self._remote_ttft(tokens, view, load, costs)
         remote += math.ceil((queued + tokens) / load.budget) * costs.per_decode_s * load.decodes  # P's steps decode too
+        compute = remote - self._path_s(view)
         chunk = self.chunk(view, costs, load)
         if chunk < MIN_CHUNK:
-            return Decision(Placement.REMOTE, Reason.STEP_GUARD, None, remote)
+            return Decision(Placement.REMOTE, Reason.STEP_GUARD, None, remote, compute)
         local = local_delay_s + self._local_ttft(tokens, view, costs, chunk)
         target_s = self._config.ttft_target_ms / 1000
         if local_is_lighter(tokens, view, load, costs, queued):
             if local > target_s >= remote:
-                return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote)
-            return Decision(Placement.LOCAL, Reason.BALANCE, local, remote)
+                return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote, compute)
+            return Decision(Placement.LOCAL, Reason.BALANCE, local, remote, compute)
         if remote > target_s >= local:
-            return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote)
-        return Decision(Placement.REMOTE, Reason.BALANCE, local, remote)
+            return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote, compute)
+        return Decision(Placement.REMOTE, Reason.BALANCE, local, remote, compute)
 
     def chunk(self, view: DecodeView, costs: Coefficients | None, load: PrefillLoad | None = None,
               landed: int = 0) -> int:
@@ -339,9 +349,20 @@ class AdaptivePolicy:
         return left + view.remote_outstanding_tokens
 
     def _remote_ttft(self, tokens: int, view: DecodeView, load: PrefillLoad | None, costs: Coefficients) -> float:
+        return self._compute(tokens, view, load, costs) + self._path_s(view)
+
+    def _compute(self, tokens: int, view: DecodeView, load: PrefillLoad | None, costs: Coefficients) -> float:
+        """P's compute of its queue and then this prompt."""
         if load is None:
             load = PrefillLoad("-", 1, 0, costs.per_prefill_token_s, costs.overhead_s, max(tokens, 1), self._clock())
-        return drain_seconds(load, self._queued(view, load) + tokens) + self._config.transfer_overhead_ms / 1000
+        return drain_seconds(load, self._queued(view, load) + tokens)
+
+    def _path_s(self, view: DecodeView) -> float:
+        """The remote TTFT around P's compute: the deployment's `transfer_overhead_ms` where it sets
+        one, otherwise what D measured (remote_path.py), DEFAULT_PATH_MS until it has."""
+        if self._config.transfer_overhead_ms is not None:
+            return self._config.transfer_overhead_ms / 1000
+        return view.remote_path_s if view.remote_path_s is not None else DEFAULT_PATH_MS / 1000
 
     def _local_ttft(self, tokens: int, view: DecodeView, costs: Coefficients, chunk: int) -> float:
         """TTFT of a local prefill behind D's local backlog, which D computes first, `chunk` tokens

@@ -213,6 +213,7 @@ class PDScheduler:
             if consumer:
                 self._decode_load.on_step(took, decodes, prefill)
                 self._judge_chunk_step(took, prefill, decodes)
+                self._meta.remote_paths.extend(self._decode_load.remote_path.step_ended())
             else:
                 self._prefill_share.on_step(started, took, prefill, streams)
             self._step = None
@@ -516,7 +517,8 @@ class PDScheduler:
         if num_external_tokens == 0:
             self._decode_load.add_local(request)
         else:
-            self._decode_load.add_remote(request.request_id, params.peer, num_external_tokens, params.transfer_id)
+            self._decode_load.add_remote(request.request_id, params.peer, num_external_tokens, params.transfer_id,
+                                         decision.compute_s)
 
     def _consumer_params(self, request) -> TransferParams | ProtocolError | None:
         rid = request.request_id
@@ -613,9 +615,10 @@ class PDScheduler:
         self._next_placement_log = now + PLACEMENT_LOG_EVERY_S
         view = self._decode_load.view(params.peer)
         fmt = lambda v: "-" if v is None else f"{1000 * v:.0f} ms"
-        logger.info("pdserve: placement %s (local %s, remote %s); decode: %d running, %d backlog tokens, chunk %s, "
-                    "mean ITL %s over the last %.0f-token stream, costs %s; prefill %s:%d: %s", decision.label,
-                    fmt(decision.ttft_local_s), fmt(decision.ttft_remote_s), view.running_decodes,
+        logger.info("pdserve: placement %s (local %s, remote %s, path %s); decode: %d running, %d backlog tokens, "
+                    "chunk %s, mean ITL %s over the last %.0f-token stream, costs %s; prefill %s:%d: %s", decision.label,
+                    fmt(decision.ttft_local_s), fmt(decision.ttft_remote_s), fmt(view.remote_path_s),
+                    view.running_decodes,
                     view.local_backlog_tokens, self._chunk_limit, fmt(view.recent_itl_s), view.stream_tokens,
                     view.costs, params.peer.host,
                     params.peer.handshake_port, self._decode_load.load_of(params.peer))

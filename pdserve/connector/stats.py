@@ -18,7 +18,8 @@ from pdserve.connector.local_chunk import OVER, WITHIN
 
 # What take_stats sends: the engine's TransferStats fields plus what the worker counts itself.
 _EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": [],
-          "placements": [], "prefill_queued_tokens": [], "serving_decode": [], "chunk_steps": []}
+          "placements": [], "prefill_queued_tokens": [], "serving_decode": [], "chunk_steps": [],
+          "remote_paths": []}
 _EMPTY["peers_attached"] = []  # "shm" or "nixl" per peer incarnation attached (transport/nixl_auto.py)
 _LISTS = tuple(k for k, v in _EMPTY.items() if isinstance(v, list))  # one entry per event: concatenated
 _SUMMED = tuple(k for k in _EMPTY if k not in _LISTS)
@@ -81,7 +82,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
     as a decode instance (serve_gate.py; both gauges as of P's last step). On an adaptive D,
     `pdserve:local_chunk_steps_total{bound=within|over}`, one per step with a local chunk, by whether
     it kept the bound its chunk was sized for (`max_step_ms` with streams running, the response
-    bound; local_chunk.py)."""
+    bound; local_chunk.py), and `pdserve:remote_path_seconds`, one observation per prompt it sent to
+    P with an estimate: seconds from the decision to its first token beyond the P compute the
+    estimate assumed (remote_path.py; its median is the path of D's next remote estimates)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -130,6 +133,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
                                                       "they kept the step bound the chunk was sized for.")
         self._chunk_steps = {idx: {b: chunk_steps.labels(*values, b) for b in CHUNK_STEP_BOUNDS}
                              for idx, values in per_engine_labelvalues.items()}
+        self._remote_path = histogram("pdserve:remote_path_seconds",
+                                      "Decode: per prompt it sent to a prefill instance, seconds from its placement "
+                                      "decision to its first token beyond the prefill compute it estimated.",
+                                      DURATION_BUCKETS_S)
         self._peers_attached = _per_transport(self._counter_cls, labelnames, per_engine_labelvalues)
         self._handshake = histogram("pdserve:kv_handshake_duration_seconds",
                                     "Seconds from handshake request to reply, per answered handshake.",
@@ -156,6 +163,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
             self._peers_attached[engine_idx][transport].inc()
         for label in transfer_stats_data.get("placements", []):
             self._placement_child(engine_idx, label).inc()
+        for seconds in transfer_stats_data.get("remote_paths", []):
+            self._remote_path[engine_idx].observe(seconds)
         for bound in transfer_stats_data.get("chunk_steps", []):
             if bound in CHUNK_STEP_BOUNDS:
                 self._chunk_steps[engine_idx][bound].inc()

@@ -79,6 +79,7 @@ class PDWorker:
         self._handshake_seconds: deque[float] = deque()  # appended by handshake threads, drained by take_stats
         self._placements: list[str] = []  # D: this interval's placement decisions, "placement:reason"
         self._chunk_steps: list[str] = []  # D: this interval's steps with a local chunk, "within"/"over" their bound
+        self._remote_paths: list[float] = []  # D: this interval's measured remote paths (remote_path.py)
         self._prefill_queue: list[int] = []  # P: queued prompt tokens it published, latest last
         # P, serve_decode: registered as a decode instance too while D's streams are loaded (serve_gate.py)
         self._serve_gate = (ServeGate(config.placement.stream_itl_s)
@@ -242,6 +243,7 @@ class PDWorker:
             engine.publish_status(meta.status)
         self._placements.extend(meta.placements)
         self._chunk_steps.extend(meta.chunk_steps)
+        self._remote_paths.extend(meta.remote_paths)
         self._step_sends = bool(meta.sends)
         self._idle = meta.idle
         engine.pump()
@@ -291,19 +293,21 @@ class PDWorker:
         handshakes = [self._handshake_seconds.popleft() for _ in range(len(self._handshake_seconds))]
         placements, self._placements = self._placements, []
         chunk_steps, self._chunk_steps = self._chunk_steps, []
+        remote_paths, self._remote_paths = self._remote_paths, []
         queue, self._prefill_queue = self._prefill_queue[-1:], []
         serving = []
         if self._serve_gate is not None and self._serve_gate.open != self._reported_serving:
             self._reported_serving = self._serve_gate.open
             serving = [int(self._reported_serving)]
         if not (stats.num_completed or stats.num_failed or new_rejections or handshakes or placements or queue
-                or serving or chunk_steps):
+                or serving or chunk_steps or remote_paths):
             return None
         self._engine.stats = type(stats)()
         recomputed = stats.num_failed if self._config.role is Role.CONSUMER and self._config.load_failure_policy == "recompute" else 0
         return {**dataclasses.asdict(stats), "num_rejected": new_rejections, "num_recomputed": recomputed,
                 "handshake_seconds": handshakes, "placements": placements, "prefill_queued_tokens": queue,
-                "serving_decode": serving, "chunk_steps": chunk_steps, "peers_attached": self._transport.take_attached()}
+                "serving_decode": serving, "chunk_steps": chunk_steps, "remote_paths": remote_paths,
+                "peers_attached": self._transport.take_attached()}
 
     def shutdown(self) -> None:
         if self._decode_registration is not None:

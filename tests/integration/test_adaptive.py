@@ -52,6 +52,14 @@ def test_adaptive_output_equals_collocated_with_both_placements(adaptive, refere
     assert delta("p", "pdserve:kv_transfers_completed_total") == remote
     assert delta("d", "pdserve:kv_transfers_completed_total") == remote
     assert delta("d", "pdserve:kv_recomputed_total") == 0
+    if adaptive.mode == "write":  # D measured the path of each prompt it sent with an estimate (remote_path.py)
+        unestimated = sum(delta("d", "pdserve:placements_total", placement="remote", reason=reason)
+                          for reason in ("long_prompt", "warming_up"))
+        paths = delta("d", "pdserve:remote_path_seconds_count")
+        print(f"remote paths measured: {paths:.0f}, mean "
+              f"{1000 * delta('d', 'pdserve:remote_path_seconds_sum') / max(paths, 1):.0f} ms")
+        assert paths == remote - unestimated and paths >= 1
+        assert 0 < delta("d", "pdserve:remote_path_seconds_sum") / paths < 30
     # every prompt token is computed once, by P or by D, plus at most one token per leg on each side:
     # a leg D prefilled itself ran on P as a one-token prompt, not as the whole prompt again
     computed = delta("p", "vllm:prompt_tokens_by_source_total", source="local_compute") + \

@@ -67,6 +67,46 @@ def test_a_short_queue_on_p_keeps_a_long_prompt_remote():
     assert decision.ttft_local_s > decision.ttft_remote_s
 
 
+def test_the_remote_estimate_takes_the_path_d_measured_unless_the_deployment_sets_one():
+    measured = dataclasses.replace(view(), remote_path_s=0.300)
+    decision = policy().decide(512, measured, load(16))
+    compute = drain_seconds(load(16), 528)
+    assert decision.compute_s == pytest.approx(compute)
+    assert decision.ttft_remote_s == pytest.approx(compute + 0.300)
+    # a path that long makes D's own prefill the faster one where the default 20 ms did not
+    assert policy().decide(512, view(), load(16)).placement is Placement.REMOTE
+    assert decision.placement is Placement.LOCAL and decision.reason is Reason.LOCAL_FASTER
+    # a configured transfer_overhead_ms is used as it is, measured path or not
+    fixed = AdaptivePolicy(PlacementConfig("adaptive", itl_target_ms=1000, max_step_ms=1000, transfer_overhead_ms=5),
+                           clock=lambda: NOW)
+    assert fixed.decide(512, measured, load(16)).ttft_remote_s == pytest.approx(compute + 0.005)
+    # a prompt sent to an idle P carries its estimate too: D learns the path from those as well
+    idle = policy().decide(512, measured, load(0))
+    assert idle.reason is Reason.PREFILL_IDLE and idle.compute_s == pytest.approx(drain_seconds(load(0), 512))
+    assert idle.ttft_remote_s == pytest.approx(idle.compute_s + 0.300)
+
+
+def test_decode_load_measures_the_remote_path_of_the_prompts_it_sends():
+    from pdserve.connector.decode_load import DecodeLoad
+    from pdserve.connector.remote_path import MIN_SAMPLES
+    clock = [50.0]
+    decode_load = DecodeLoad(576, chunk=512, clock=lambda: clock[0])
+    peer = PeerAddress("127.0.0.1", 6301, 6302)
+    decode_load.add_remote("no-estimate", peer, 512, "tx-x")  # eager: no estimate, no sample
+    for i in range(MIN_SAMPLES):
+        decode_load.add_remote(f"r{i}", peer, 512, f"tx-{i}", compute_s=0.160)
+        clock[0] += 0.200
+        decode_load.landed(f"r{i}")
+        decode_load.landed("no-estimate")
+        clock[0] += 0.030
+        decode_load.remote_path.step_ended()
+    assert decode_load.view(peer).remote_path_s == pytest.approx(0.070)
+    decode_load.add_remote("gone", peer, 512, "tx-g", compute_s=0.0)
+    decode_load.forget("gone")
+    decode_load.landed("gone")
+    assert decode_load.remote_path.step_ended() == []
+
+
 def test_a_long_prefill_queue_sends_the_prompt_local():
     decision = policy().decide(512, view(), load(4096))
     assert decision.placement is Placement.LOCAL and decision.reason is Reason.LOCAL_FASTER
@@ -286,6 +326,8 @@ def test_placement_config_is_parsed_once_with_clear_errors():
     cfg = parse_placement({"placement": "adaptive", "placement_wait": "0.5", "itl_target_ms": 80, "max_step_ms": 120})
     assert (cfg.adaptive, cfg.wait_s, cfg.itl_target_ms, cfg.max_step_ms) == (True, 0.5, 80.0, 120.0)
     assert parse_placement({}).max_step_ms == 50.0
+    assert parse_placement({}).transfer_overhead_ms is None  # D measures the path (remote_path.py)
+    assert parse_placement({"transfer_overhead_ms": 0}).transfer_overhead_ms == 0.0
     with pytest.raises(ConfigError, match="max_step_ms out of range"):
         parse_placement({"max_step_ms": -5})
     with pytest.raises(ConfigError, match="placement must be one of static, adaptive"):

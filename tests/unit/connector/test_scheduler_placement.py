@@ -292,6 +292,26 @@ def test_d_sends_to_an_idle_p_without_weighing_it(eager):
     assert [r.transfer_id for r in meta.recvs] == ["tx-1"] and meta.placements == ["remote:prefill_idle"]
 
 
+def test_d_measures_the_path_of_a_prompt_it_sent_from_its_decision_to_its_first_token():
+    s = adaptive("kv_consumer")
+    _teach_d(s)
+    idle = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 0, 0.00001, 0.0, 512, time.time())
+    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): idle}))
+    request = FakeRequest(ROUTER_ID, consumer_params(), 40)
+    decided = time.monotonic()
+    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (40, True)
+    s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 40)
+    s.scheduler.build_connector_meta(SchedulerOutput({}))
+    time.sleep(0.02)  # P computes, the KV lands
+    s.scheduler.update_connector_output(Output(finished_recving={request.request_id}))
+    assert s.scheduler.build_connector_meta(SchedulerOutput({request.request_id: 1})).remote_paths == []
+    time.sleep(0.01)  # the step that gives it its first token
+    s.scheduler.update_connector_output(Output())
+    [path] = s.scheduler.build_connector_meta(SchedulerOutput({})).remote_paths
+    # all of it but P's estimated compute (40 tokens at 0.01 ms: 0.4 ms) is path
+    assert 0.029 <= path <= time.monotonic() - decided
+
+
 def test_d_sets_the_next_steps_prefill_limit_from_its_streams():
     limits: list[int] = []
     config = make_config("kv_consumer", WRITE, placement="adaptive", max_step_ms=105)

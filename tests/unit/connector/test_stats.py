@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import types
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.config import TransferMode
@@ -132,3 +133,13 @@ def test_chunk_steps_count_by_whether_they_kept_their_bound():
     assert sample(registry, "pdserve:local_chunk_steps_total", bound="within") == 3
     assert sample(registry, "pdserve:local_chunk_steps_total", bound="over") == 1
     assert not stats(chunk_steps=["over"]).is_empty()
+
+
+def test_remote_paths_reach_their_histogram_one_sample_each():
+    metrics, registry = prom_metrics()
+    metrics.observe(stats(remote_paths=[0.07, 0.09]).data)
+    metrics.observe(stats(remote_paths=[0.3]).data)
+    assert sample(registry, "pdserve:remote_path_seconds_count") == 3
+    assert sample(registry, "pdserve:remote_path_seconds_sum") == pytest.approx(0.46)
+    assert bucket(registry, "pdserve:remote_path_seconds", 0.1) == 2
+    assert not stats(remote_paths=[0.07]).is_empty()
