@@ -190,11 +190,17 @@ def _teach_d(s: Scheduler, step_s: float = 0.005) -> None:
     s.scheduler.request_finished(FakeRequest("plain", None, 10, num_output_tokens=64), [])
 
 
+def _publish_load(s: Scheduler, queued: int) -> None:
+    """P's load reaches D: `queued` tokens at 1 ms each (an idle P: none, at 0.01 ms)."""
+    per_token, overhead = (0.001, 0.005) if queued else (0.00001, 0.0)
+    load = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, queued, per_token, overhead, 512, time.time())
+    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): load}))
+
+
 def test_d_prefills_locally_when_p_is_busy_and_tells_p():
     s = adaptive("kv_consumer")
     _teach_d(s)
-    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
-    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): busy}))
+    _publish_load(s, queued=100_000)
     request = FakeRequest(ROUTER_ID, consumer_params(), 40)
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 0)
@@ -206,8 +212,7 @@ def test_d_prefills_locally_when_p_is_busy_and_tells_p():
 def _take_two_local(s: Scheduler, tokens: int) -> tuple[FakeRequest, FakeRequest]:
     """With P busy, D takes two prompts itself: the first starts, the second waits its turn."""
     _teach_d(s)
-    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
-    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): busy}))
+    _publish_load(s, queued=100_000)
     first = FakeRequest(ROUTER_ID, consumer_params(), tokens)
     second = FakeRequest(ROUTER_ID.replace("-0-", "-1-"), consumer_params(transfer_id="tx-2"), tokens)
     assert s.scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
@@ -266,8 +271,7 @@ def test_d_takes_a_leg_p_started_as_its_decision():
 def test_d_keeps_its_streams_mean_itl_from_what_its_steps_took():
     s = adaptive("kv_consumer")
     _teach_d(s, step_s=0.005)
-    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
-    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): busy}))
+    _publish_load(s, queued=100_000)
     s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 1}))  # the streams wait 500 ms for a token
     time.sleep(0.5)
     s.scheduler.update_connector_output(Output())
@@ -283,8 +287,7 @@ def test_d_keeps_its_streams_mean_itl_from_what_its_steps_took():
 def test_d_sends_to_an_idle_p_without_weighing_it(eager):
     s = adaptive("kv_consumer", eager_prefill=eager)
     _teach_d(s)
-    idle = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 0, 0.00001, 0.0, 512, time.time())
-    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): idle}))
+    _publish_load(s, queued=0)
     request = FakeRequest(ROUTER_ID, consumer_params(), 40)
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (40, True)
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 40)
@@ -295,8 +298,7 @@ def test_d_sends_to_an_idle_p_without_weighing_it(eager):
 def test_d_measures_the_path_of_a_prompt_it_sent_from_its_decision_to_its_first_token():
     s = adaptive("kv_consumer")
     _teach_d(s)
-    idle = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 0, 0.00001, 0.0, 512, time.time())
-    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): idle}))
+    _publish_load(s, queued=0)
     request = FakeRequest(ROUTER_ID, consumer_params(), 40)
     decided = time.monotonic()
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (40, True)
