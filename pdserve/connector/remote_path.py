@@ -34,13 +34,13 @@ MAX_PENDING = 4096  # prompts on their way at once; the oldest is forgotten beyo
 class _Pending:
     decided_at: float
     compute_s: float  # P's compute the estimate assumed (queue and prompt)
-    landed: bool = False
 
 
 class RemotePath:
     def __init__(self, window: int = WINDOW, clock=time.monotonic):
         self._clock = clock
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._landed: list[str] = []  # of the pending, those whose KV landed since the last step ended
         self._samples: deque[float] = deque(maxlen=window)
         self._seconds: float | None = None
 
@@ -52,9 +52,8 @@ class RemotePath:
 
     def landed(self, request_id: str) -> None:
         """Its KV landed: the next step D finishes gives it its first token."""
-        pending = self._pending.get(request_id)
-        if pending is not None:
-            pending.landed = True
+        if request_id in self._pending:
+            self._landed.append(request_id)
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
@@ -63,11 +62,12 @@ class RemotePath:
         """A step of D's ended: the prompts that had landed before it took their first token in it.
         Returns their samples (seconds of path each)."""
         now = self._clock()
-        done = [rid for rid, pending in self._pending.items() if pending.landed]
+        done, self._landed = self._landed, []
         samples = []
         for rid in done:
-            pending = self._pending.pop(rid)
-            samples.append(max(0.0, now - pending.decided_at - pending.compute_s))
+            pending = self._pending.pop(rid, None)  # None: forgotten meanwhile, or reported twice
+            if pending is not None:
+                samples.append(max(0.0, now - pending.decided_at - pending.compute_s))
         if samples:
             self._samples.extend(samples)
             if len(self._samples) >= MIN_SAMPLES:
