@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.connector.prefill_share import PrefillShare
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.connector.fake_clock import Clock
 
 
 def test_share_counts_prefill_steps_within_the_span_only():

@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from pdserve.connector.remote_path import MAX_PENDING, MIN_SAMPLES, RemotePath
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.connector.fake_clock import Clock
 
 
 def test_a_sample_runs_from_the_decision_to_the_end_of_the_step_after_landing_less_the_compute():

@@ -9,16 +9,9 @@ import pytest
 from pdserve.connector.serve_gate import (CLOSE_AT, MAX_PREFILL_SHARE, MIN_OPEN_S, OPEN_AT, STALE_S, ServeGate,
                                          p_stream_itl, streams_itl)
 from pdserve.control.messages import DecodeStatus, PrefillLoad
+from tests.unit.connector.fake_clock import Clock
 
 TARGET_S = 0.05
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def status(itl_s: float | None, port: int = 6302) -> DecodeStatus:
