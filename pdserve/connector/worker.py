@@ -148,11 +148,12 @@ class PDWorker:
             except IncompatiblePeerError as exc:
                 logger.error("pdserve: refusing handshake: %s", exc)
                 return HandshakeRefused(str(exc))
+            peer_here = verify(HostClaim(message.host_proof, message.host_proof_digest)) is None
             return HandshakeReply(
                 self.identity, self._fingerprint,
                 [d.to_wire() for d in self._transport.local_descriptors()], self._layout.to_wire(),
                 self.incarnation.pid, self.incarnation.start_time, self.incarnation.boot_id,
-                self._transport.local_endpoint(), *self._host_proof.claim,
+                self._transport.local_endpoint(peer_here), *self._host_proof.claim,
             )
         if isinstance(message, Ping):
             return Pong()
@@ -171,7 +172,7 @@ class PDWorker:
         try:
             started = time.monotonic()
             envelope = self._client.exchange(
-                address.host, address.handshake_port, HandshakeRequest(self.identity, self._fingerprint),
+                address.host, address.handshake_port, HandshakeRequest(self.identity, self._fingerprint, *self._host_proof.claim),
                 self._config.handshake_timeout,
             )
             self._handshake_seconds.append(time.monotonic() - started)  # answered, accepted or not

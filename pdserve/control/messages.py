@@ -87,17 +87,29 @@ def _check_text(msg, name: str, text: str) -> None:
     _check(len(text) <= MAX_TEXT, type(msg), f"{name} longer than {MAX_TEXT} characters")
 
 
+def _check_host_proof(msg) -> None:
+    _check(msg.host_proof == "" or bool(_PROC_FD.fullmatch(msg.host_proof)), type(msg),
+           f"host_proof must be /proc/<pid>/fd/<n>, got {msg.host_proof[:80]!r}")
+    _check(bool(_SHA256.fullmatch(msg.host_proof_digest)) == bool(msg.host_proof), type(msg),
+           "host_proof_digest must be 64 lowercase hex digits exactly when host_proof is set")
+
+
 @message("handshake_request")
 @dataclass(frozen=True)
 class HandshakeRequest:
-    """Peer -> handshake server: who I am and my KV layout fingerprint."""
+    """Peer -> handshake server: who I am, my KV layout fingerprint, and the proof that I share
+    the server's host (as in HandshakeReply; both empty when not offered): under transport auto a
+    server starts its NIXL agent only for a peer that proved nothing (nixl_auto.py)."""
 
     ADDRESSED = False
     engine_id: str
     fingerprint: dict
+    host_proof: str = ""
+    host_proof_digest: str = ""
 
     def validate(self) -> None:
         _check(0 < len(self.engine_id) <= MAX_IDENTITY, type(self), "engine_id must be 1..256 characters")
+        _check_host_proof(self)
 
 
 @message("handshake_reply")
@@ -136,10 +148,7 @@ class HandshakeReply:
         _check(len(self.regions) <= 4096 and len(self.layers) <= 4096, type(self), "too many regions or layers")
         _check(len(self.nixl_metadata) <= MAX_NIXL_METADATA, type(self),
                f"nixl_metadata of {len(self.nixl_metadata)} bytes (max {MAX_NIXL_METADATA})")
-        _check(self.host_proof == "" or bool(_PROC_FD.fullmatch(self.host_proof)), type(self),
-               f"host_proof must be /proc/<pid>/fd/<n>, got {self.host_proof[:80]!r}")
-        _check(bool(_SHA256.fullmatch(self.host_proof_digest)) == bool(self.host_proof), type(self),
-               "host_proof_digest must be 64 lowercase hex digits exactly when host_proof is set")
+        _check_host_proof(self)
 
 
 @message("handshake_refused")

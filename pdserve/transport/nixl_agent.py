@@ -11,6 +11,7 @@ agent is created without NIXL's own thread synchronisation).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 from enum import Enum
 from types import ModuleType
@@ -18,18 +19,29 @@ from types import ModuleType
 from pdserve.errors import ConfigError, TransferError
 
 NIXL_PACKAGE = "nixl-cu12"
-_MODULES = ("nixl_cu12._bindings", "nixl._bindings")
+BINDING_MODULES = ("nixl_cu12._bindings", "nixl._bindings")
 PROGRESS_DELAY_US = 1000  # the progress thread's poll timeout: the target side of a TCP "RMA" waits this long at most
 
 
 def load_bindings() -> ModuleType:
     """NIXL's native bindings; ConfigError naming the missing package when NIXL is not installed."""
-    for name in _MODULES:
+    for name in BINDING_MODULES:
         try:
             return importlib.import_module(name)
         except ImportError:
             continue
     raise ConfigError(f"transport nixl needs the {NIXL_PACKAGE} package: pip install 'pdserve[nixl]'")
+
+
+def nixl_installed() -> bool:
+    """Whether NIXL's bindings can be imported here, without importing them."""
+    for name in BINDING_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ImportError:  # the parent package is missing
+            continue
+    return False
 
 
 class XferState(Enum):

@@ -5,17 +5,25 @@ The connector's `transport` key picks the policy: `shm` (every peer over shared 
 proof holds, see nixl_host.py; NIXL otherwise). Both backends see the same KV memory: it lives in
 shm segments (mapped by same-host peers) and is registered with the NIXL agent as DRAM. Each peer
 incarnation is attached to exactly one backend, and its transfers go there.
+
+Under `auto` the NIXL agent starts only when the first peer that is not on this host needs it:
+either side of a handshake proves its host to the other, so a replier starts it for a requester
+that proved nothing, and a requester for a replier that did not. An agent costs every step even
+with no NIXL peer: its UCX progress thread wakes every PROGRESS_DELAY_US, and on a one-core
+instance that made each decode step ~10 % slower (2.5-3.5 ms of ~26 ms on an Intel Xeon; the
+same instance with transport shm was within 0.5 ms of plain vLLM, `benchmarks/step-overhead/`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pdserve.errors import ConfigError, TransferError
 from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, Transport, TransferHandle, TransferStatus
-from pdserve.transport.nixl_agent import NIXL_PACKAGE
+from pdserve.transport.nixl_agent import NIXL_PACKAGE, nixl_installed
 
 logger = logging.getLogger(__name__)
 
@@ -32,44 +40,61 @@ class PeerRoute(NamedTuple):
 
 
 class RoutedTransport(Transport):
-    """Called like any Transport, except that `attach_peer` takes the peer's route. `nixl` is None
-    when NIXL is not installed (only possible with policy `auto` or `shm`)."""
+    """Called like any Transport, except that `attach_peer` takes the peer's route. NIXL is either
+    running (`nixl`), started on first need (`start_nixl`, policy auto), or unavailable (neither:
+    NIXL is not installed, or policy shm)."""
 
-    def __init__(self, policy: str, shm: Transport, nixl: Transport | None):
+    def __init__(self, policy: str, shm: Transport, nixl: Transport | None = None,
+                 start_nixl: Callable[[], Transport] | None = None):
         if policy not in POLICIES:
             raise ConfigError(f"unknown transport {policy!r} (available: {', '.join(POLICIES)})")
         if policy == "nixl" and nixl is None:
             raise ConfigError(f"transport nixl needs the {NIXL_PACKAGE} package: pip install 'pdserve[nixl]'")
         self.policy = policy
-        self._backends = {"shm": shm} if nixl is None else {"shm": shm, "nixl": nixl}
+        self.shm = shm
+        self._nixl = nixl
+        self._start_nixl = start_nixl if policy == "auto" else None
+        self._lock = threading.Lock()  # starting NIXL: handshake threads on both sides may need it at once
+        self._regions: list[tuple[int, int, int, str | None]] = []  # registered so far: a late agent gets them too
         self._routes: dict[str, str] = {}
         self._attached: list[str] = []  # the backend of each attach since `take_attached`
 
     @property
-    def shm(self) -> Transport:
-        return self._backends["shm"]
+    def nixl_running(self) -> bool:
+        return self._nixl is not None
 
     def register_region(
         self, region_id: int, address: int, size: int, shm_name: str | None = None
     ) -> RegionDescriptor:
         desc = self.shm.register_region(region_id, address, size, shm_name)
-        if "nixl" in self._backends and self.policy != "shm":
-            self._backends["nixl"].register_region(region_id, address, size, shm_name)
+        with self._lock:
+            self._regions.append((region_id, address, size, shm_name))
+            if self._nixl is not None and self.policy != "shm":
+                self._nixl.register_region(region_id, address, size, shm_name)
         return desc
 
     def local_descriptors(self) -> list[RegionDescriptor]:
         return self.shm.local_descriptors()
 
-    def local_endpoint(self) -> bytes:
-        """Our NIXL agent metadata for the handshake reply (empty without NIXL or under policy shm)."""
-        nixl = self._backends.get("nixl")
-        return nixl.local_endpoint() if nixl is not None and self.policy != "shm" else b""
+    def local_endpoint(self, peer_here: bool = False) -> bytes:
+        """Our NIXL agent metadata for a handshake reply to a peer (`peer_here`: it proved it shares
+        our host): empty under policy shm, under auto for a peer here (it maps our memory), and
+        where NIXL is unavailable or fails to start (the peer then says so); otherwise the agent's,
+        started now under auto if this is the first peer that needs it."""
+        if self.policy == "shm" or (self.policy == "auto" and peer_here):
+            return b""
+        try:
+            nixl = self._nixl_backend("a peer that is not provably on this host asked for our KV layout")
+        except TransferError as exc:
+            logger.error("pdserve: cannot offer NIXL to a peer not on this host: %s", exc)
+            return b""
+        return nixl.local_endpoint()
 
     def choose(self, route: PeerRoute) -> str:
         """The backend a peer with `route` gets; TransferError when none can reach it."""
         if self.policy == "shm" or (self.policy == "auto" and route.same_host):
             return "shm"
-        if "nixl" not in self._backends:
+        if self._nixl is None and self._start_nixl is None:
             raise TransferError(f"the peer is not provably on this host ({route.why_not_same_host}) and transport "
                                 f"nixl is unavailable: pip install 'pdserve[nixl]'")
         if not route.nixl_metadata:
@@ -77,17 +102,42 @@ class RoutedTransport(Transport):
         return "nixl"
 
     def attach_peer(self, peer_id: str, descriptors: list[RegionDescriptor], route: PeerRoute | None = None) -> None:
-        name = self.choose(route or PeerRoute(same_host=False, why_not_same_host="no route given"))
+        route = route or PeerRoute(same_host=False, why_not_same_host="no route given")
+        name = self.choose(route)
         old = self._routes.get(peer_id)
         if old is not None and old != name:
             self.detach_peer(peer_id)
         if name == "nixl":
-            self._backends["nixl"].attach_peer(peer_id, descriptors, route.nixl_metadata)
+            self._nixl_backend(f"peer {peer_id} is not provably on this host ({route.why_not_same_host})") \
+                .attach_peer(peer_id, descriptors, route.nixl_metadata)
         else:
             self.shm.attach_peer(peer_id, descriptors)
         if self._routes.get(peer_id) != name:
             self._attached.append(name)
         self._routes[peer_id] = name
+
+    def _nixl_backend(self, why: str) -> Transport:
+        """NIXL, started now (with every region registered so far) if it is not running yet."""
+        with self._lock:
+            if self._nixl is None:
+                if self._start_nixl is None:
+                    raise TransferError("transport nixl is unavailable: pip install 'pdserve[nixl]'")
+                try:
+                    nixl = self._start_nixl()
+                except (ConfigError, TransferError) as exc:
+                    raise TransferError(f"NIXL did not start: {exc}") from exc
+                try:
+                    for region in self._regions:
+                        nixl.register_region(*region)
+                except Exception:
+                    nixl.close()
+                    raise
+                self._nixl = nixl
+                logger.info("pdserve: NIXL started: %s", why)
+            return self._nixl
+
+    def _backend(self, name: str) -> Transport:
+        return self._nixl if name == "nixl" else self.shm
 
     def take_attached(self) -> list[str]:
         """The backend ("shm" or "nixl") of every peer attached since the last call (for metrics)."""
@@ -101,7 +151,7 @@ class RoutedTransport(Transport):
     def detach_peer(self, peer_id: str) -> None:
         name = self._routes.pop(peer_id, None)
         if name is not None:
-            self._backends[name].detach_peer(peer_id)
+            self._backend(name).detach_peer(peer_id)
 
     def submit(
         self, peer_id: str, direction: Direction, batch: Sequence[RegionOps], *, not_after: float | None = None
@@ -111,29 +161,35 @@ class RoutedTransport(Transport):
             handle = TransferHandle(peer_id, direction, sum(op.length for r in batch for op in r.ops), not_after)
             handle.finish(TransferStatus.FAILED, f"peer {peer_id!r} is not attached")
             return handle
-        return self._backends[name].submit(peer_id, direction, batch, not_after=not_after)
+        return self._backend(name).submit(peer_id, direction, batch, not_after=not_after)
 
     def cancel(self, handle: TransferHandle) -> bool:
         name = self._routes.get(handle.peer_id)
-        return self._backends[name].cancel(handle) if name is not None else handle.cancel()
+        return self._backend(name).cancel(handle) if name is not None else handle.cancel()
 
     def close(self) -> None:
         self._routes.clear()
-        for backend in self._backends.values():
-            backend.close()
+        self.shm.close()
+        with self._lock:
+            self._start_nixl = None  # closed: nothing starts NIXL any more
+            if self._nixl is not None:
+                self._nixl.close()
 
 
 def build_transport(policy: str, shm: Transport, agent_name: str, copy_timeout_s: float) -> RoutedTransport:
-    """The worker's transport for `policy`: NIXL is started unless the policy is shm; a missing
-    NIXL package is a ConfigError under policy nixl and leaves `auto` with shared memory only."""
-    nixl = None
-    if policy != "shm":
+    """The worker's transport for `policy`: NIXL starts now under policy nixl (a ConfigError when
+    it is not installed), on first need under auto (module docstring), never under shm."""
+    if policy == "shm":
+        return RoutedTransport(policy, shm)
+
+    def start_nixl() -> Transport:
         from pdserve.transport.nixl import NixlTransport
-        try:
-            nixl = NixlTransport(agent_name, copy_timeout_s=copy_timeout_s)
-        except ConfigError:
-            if policy == "nixl":
-                raise
-            logger.warning("pdserve: transport auto without NIXL (pip install 'pdserve[nixl]'): "
-                           "only peers on this host can be reached")
-    return RoutedTransport(policy, shm, nixl)
+        return NixlTransport(agent_name, copy_timeout_s=copy_timeout_s)
+
+    if policy == "nixl":
+        return RoutedTransport(policy, shm, start_nixl())
+    if not nixl_installed():
+        logger.warning("pdserve: transport auto without NIXL (pip install 'pdserve[nixl]'): "
+                       "only peers on this host can be reached")
+        return RoutedTransport(policy, shm)
+    return RoutedTransport(policy, shm, start_nixl=start_nixl)

@@ -7,7 +7,8 @@ import msgpack
 import pytest
 
 from pdserve.control.codec import MAX_FRAME_BYTES, Codec, is_addressed
-from pdserve.control.messages import MESSAGE_TYPES, Ping, ReadAck, ReadDone, Release, WriteDone, field_types
+from pdserve.control.messages import (MESSAGE_TYPES, HandshakeReply, HandshakeRequest, Ping, ReadAck, ReadDone, Release,
+                                      WriteDone, field_types)
 from tests.unit.control.samples import example
 from pdserve.errors import AuthenticationError, FencedError, ProtocolError
 
@@ -195,6 +196,21 @@ def test_malformed_envelopes_are_rejected_with_the_reason(codec, envelope, error
 def test_default_fields_may_be_omitted(codec):
     frame = _frame(_envelope(type="read_ack", payload={"transfer_id": "t", "ok": True}))
     assert codec.decode(frame).message == ReadAck("t", True, "")
+    frame = _frame(_envelope(type="handshake_request", payload={"engine_id": "d", "fingerprint": {}}))
+    assert codec.decode(frame).message == HandshakeRequest("d", {})  # a requester that proves no host
+
+
+@pytest.mark.parametrize("proof, digest, error", [
+    ("/etc/shadow", "ab" * 32, "host_proof must be /proc/<pid>/fd/<n>"),
+    ("/proc/7/fd/3", "", "host_proof_digest must be 64 lowercase hex digits"),
+    ("", "ab" * 32, "host_proof_digest must be 64 lowercase hex digits"),
+])
+def test_a_malformed_host_proof_is_rejected_in_either_handshake_message(codec, proof, digest, error):
+    for cls in (HandshakeRequest, HandshakeReply):
+        payload = _payload(example(cls), host_proof=proof, host_proof_digest=digest)
+        frame = _frame({**_envelope(type=cls.TAG, payload=payload), "ts": time.time()})
+        with pytest.raises(ProtocolError, match=error):
+            codec.decode(frame)
 
 
 @pytest.mark.parametrize(
