@@ -11,10 +11,7 @@ The chunk follows D's running streams instead of being fixed at launch:
   request is prefilled, and gives a request whose KV just landed its first token, only between
   steps, so a whole 512-token prompt in one step (~570 ms on one EPYC core) held both back by up
   to that long, while P sat idle (`benchmarks/adaptive/placement-rules.md`). The bound costs a
-  local prefill one step's fixed part (overhead and streams) per extra chunk, so it never goes below
-  EFFICIENT_STEP x that fixed part (`response_bound`): at 15 % of a 500 ms TTFT bound, 75 ms, a
-  one-core Intel D beside 10 streams (a 33 ms fixed part) planned 47-token chunks, 11 steps for a
-  512-token prompt, and judged local slower than P's queue in nearly every burst;
+  local prefill one step overhead per extra chunk;
 * a step in which requests whose KV just landed take their first token is a stream's step
   (`PlacementConfig.landing_step_s`: `max_step_s`, or the mean ITL target where no max gap is
   bounded): D usually prefills a prompt itself while P is busy with another, whose KV then lands
@@ -40,9 +37,6 @@ import math
 from pdserve.connector.step_costs import Coefficients
 
 MIN_CHUNK = 16  # one KV block: below this a chunk step is mostly fixed overhead, so D does not prefill locally
-# a response-bound step may last this many times its fixed part (overhead and streams), so a chunk is
-# at least ~3/4 of the step it is planned into (planned at the headroom: 0.8 x 5 = 4 fixed parts)
-EFFICIENT_STEP = 5.0
 STEP_HEADROOM = 0.8  # of its bound a chunk step is sized to, until D has measured its own (chunk_headroom.py)
 WITHIN, OVER = "within", "over"  # whether a chunk step kept its bound (pdserve:local_chunk_steps_total{bound})
 
@@ -50,15 +44,6 @@ WITHIN, OVER = "within", "over"  # whether a chunk step kept its bound (pdserve:
 def step_bound(decodes: int, max_step_s: float, response_s: float = math.inf) -> float:
     """The longest a step with `decodes` streams and a local chunk may take (inf: no bound)."""
     return min(max_step_s if decodes > 0 else math.inf, response_s)
-
-
-def response_bound(response_s: float, costs: Coefficients | None, decodes: int) -> float:
-    """The response bound on a step with `decodes` streams: `response_s`, but never below
-    EFFICIENT_STEP x the step's fixed part by `costs` (below it, chunking costs a local prompt more
-    fixed parts than the response it protects is worth)."""
-    if costs is None or not math.isfinite(response_s):
-        return response_s
-    return max(response_s, EFFICIENT_STEP * costs.step_seconds(0, decodes))
 
 
 def chunk_tokens(costs: Coefficients | None, decodes: int, max_step_s: float, cap: int,
@@ -83,5 +68,4 @@ def threshold(chunk: int, prompts_in_progress: int) -> int:
     return max(MIN_CHUNK, chunk // max(1, prompts_in_progress))
 
 
-__all__ = ["EFFICIENT_STEP", "MIN_CHUNK", "OVER", "STEP_HEADROOM", "WITHIN", "chunk_tokens", "response_bound",
-           "step_bound", "threshold"]
+__all__ = ["MIN_CHUNK", "OVER", "STEP_HEADROOM", "WITHIN", "chunk_tokens", "step_bound", "threshold"]

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from pdserve.connector.balance import RESPONSE_STRETCH, local_is_lighter
-from pdserve.connector.local_chunk import MIN_CHUNK, STEP_HEADROOM, chunk_tokens, response_bound, step_bound
+from pdserve.connector.local_chunk import MIN_CHUNK, STEP_HEADROOM, chunk_tokens, step_bound
 from pdserve.connector.slo_targets import SLOTargets
 from pdserve.connector.step_costs import Coefficients, StepCosts
 from pdserve.control.messages import PrefillLoad
@@ -306,19 +306,15 @@ class AdaptivePolicy:
         decodes = view.running_decodes + landed
         cap = min(view.chunk or view.budget, max(0, view.budget - decodes))
         return chunk_tokens(costs, decodes, self._config.max_step_ms / 1000, cap,
-                            self._response_s(load, landed > 0, costs, decodes), view.chunk_headroom)
+                            self._response_s(load, landed > 0), view.chunk_headroom)
 
-    def step_bound(self, decodes: int, load: PrefillLoad | None, landed: bool = False,
-                   costs: Coefficients | None = None) -> float:
+    def step_bound(self, decodes: int, load: PrefillLoad | None, landed: bool = False) -> float:
         """The longest a step of D with `decodes` streams and a local chunk may take (inf: none);
-        `landed`: first tokens of requests whose KV just landed are in it; `costs`: D's, which set
-        the response bound's floor (local_chunk.response_bound)."""
-        return step_bound(decodes, self._config.max_step_ms / 1000, self._response_s(load, landed, costs, decodes))
+        `landed`: first tokens of requests whose KV just landed are in it."""
+        return step_bound(decodes, self._config.max_step_ms / 1000, self._response_s(load, landed))
 
-    def _response_s(self, load: PrefillLoad | None, landed: bool = False, costs: Coefficients | None = None,
-                    decodes: int = 0) -> float:
+    def _response_s(self, load: PrefillLoad | None, landed: bool = False) -> float:
         response = self._config.response_step_s * (RESPONSE_STRETCH if load is not None and load.decodes > 0 else 1)
-        response = response_bound(response, costs, decodes)
         return min(response, self._config.landing_step_s) if landed else response
 
     def _within_itl(self, tokens: int, view: DecodeView, costs: Coefficients, headroom: float) -> bool:

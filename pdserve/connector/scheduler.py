@@ -223,8 +223,7 @@ class PDScheduler:
         (on /metrics: how often a local prefill made streams wait past max_step_ms)."""
         if prefill < MIN_CHUNK or not isinstance(self._policy, AdaptivePolicy):
             return
-        bound = self._policy.step_bound(decodes, self._decode_load.some_load(), self._step_landing,
-                                        self._decode_load.costs.coefficients())
+        bound = self._policy.step_bound(decodes, self._decode_load.some_load(), self._step_landing)
         if math.isfinite(bound):
             self._meta.chunk_steps.append(OVER if took > bound else WITHIN)
 

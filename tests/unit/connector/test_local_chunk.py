@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
-from pdserve.connector.local_chunk import EFFICIENT_STEP, MIN_CHUNK, STEP_HEADROOM, chunk_tokens, response_bound, threshold
+from pdserve.connector.local_chunk import MIN_CHUNK, STEP_HEADROOM, chunk_tokens, threshold
 from pdserve.connector.step_costs import Coefficients
 
 COSTS = Coefficients(overhead_s=0.010, per_prefill_token_s=0.002, per_decode_s=0.001)
@@ -58,11 +56,3 @@ def test_the_headroom_sets_how_full_of_its_bound_a_chunk_step_is_planned():
     assert COSTS.step_seconds(tight, 5) <= 0.5 * 0.100 < COSTS.step_seconds(tight + 1, 5)
     assert COSTS.step_seconds(loose, 5) <= 0.9 * 0.100 < COSTS.step_seconds(loose + 1, 5)
     assert chunk_tokens(COSTS, 0, math.inf, 512, headroom=0.5) == 512  # no bound: the headroom has nothing to fill
-
-
-def test_the_response_bound_has_a_floor_of_fixed_parts():
-    # 10 ms overhead + 5 streams at 1 ms: a 15 ms fixed part, so no response bound below 75 ms
-    assert response_bound(0.050, COSTS, 5) == pytest.approx(EFFICIENT_STEP * 0.015)
-    assert response_bound(0.200, COSTS, 5) == 0.200  # a looser bound stays
-    assert response_bound(0.050, None, 5) == 0.050  # unmeasured: the bound as given
-    assert response_bound(math.inf, COSTS, 5) == math.inf

@@ -495,41 +495,15 @@ def test_under_a_mean_itl_slo_only_the_response_bound_limits_d_steps_beside_its_
     unbounded = AdaptivePolicy(config, clock=lambda: NOW)
     busy = view(running=20, budget=512, itl_ms=30)
     assert unbounded.chunk(busy, COSTS) == 492  # the budget less the decodes' tokens
-    # with ttft<500 the response bound, 75 ms, is below 5 x the 30 ms fixed part of the step: 0.8 x
-    # 150 ms leaves 90 tokens beside the decodes (local_chunk.response_bound)
+    # with ttft<500 it is 0.8 x 75 = 60 ms a step: 30 tokens beside the 30 ms of decodes
     short = AdaptivePolicy(parse_placement({"placement": "adaptive", "slo": "ttft<500,mean_itl<1000"}), clock=lambda: NOW)
-    assert short.chunk(busy, COSTS) == 90
-    assert short.step_bound(20, None, costs=COSTS) == pytest.approx(0.150) and short.step_bound(20, None) == 0.075
+    assert short.chunk(busy, COSTS) == 30
     assert policy(max_step_ms=50).decide(512, busy, load(4096)).reason is Reason.STEP_GUARD
     decision = unbounded.decide(512, busy, load(4096))
     assert decision.placement is Placement.LOCAL and decision.ttft_local_s < decision.ttft_remote_s
     # the mean ITL still bounds it: 30 ms now, + 512 x 1 ms over 64 tokens = 38 ms > 0.9 x 40 ms
     tight = AdaptivePolicy(parse_placement({"placement": "adaptive", "slo": "ttft<500,mean_itl<40"}), clock=lambda: NOW)
     assert tight.decide(512, busy, load(4096)).reason is Reason.ITL_GUARD
-
-
-def test_the_response_bound_never_makes_chunks_of_mostly_fixed_cost():
-    # a one-core Intel D (measured: 23 ms overhead, ~0.3 ms a prompt token) beside 10 streams under
-    # tight: 15 % of 500 ms is 75 ms, and 0.8 x 75 ms left 83 tokens beside the 35 ms fixed part (7
-    # steps for a 512-token prompt); the floor, 5 x 35 ms, leaves 350 (2 steps)
-    intel = Coefficients(overhead_s=0.025, per_prefill_token_s=0.0003, per_decode_s=0.001)
-    tight = AdaptivePolicy(parse_placement({"placement": "adaptive", "slo": "ttft<500,mean_itl<40"}), clock=lambda: NOW)
-    busy = view(running=10, budget=512, costs=intel, itl_ms=25)
-    assert tight.chunk(busy, intel) == 350
-    assert tight.step_bound(10, None, costs=intel) == pytest.approx(0.175)
-    # a landed request's first token still bounds its step by the ITL target: the floor lifts only
-    # the response bound
-    assert tight.step_bound(10, None, landed=True, costs=intel) == 0.04
-    assert tight.chunk(busy, intel, landed=1) == 0  # 0.8 x 40 ms < the 36 ms fixed part
-    # where P has two prompts ahead of this one D's two steps (~280 ms) beat P (~500 ms)
-    queued = PrefillLoad("127.0.0.1", 6301, 1024, 0.0003, 0.005, 512, NOW)
-    decision = tight.decide(512, busy, queued)
-    assert (decision.placement, decision.reason) == (Placement.LOCAL, Reason.LOCAL_FASTER)
-    assert decision.ttft_local_s < 0.35 < decision.ttft_remote_s
-    # a max-gap bound is never lifted: it is the promise made to the streams
-    gap = AdaptivePolicy(parse_placement({"placement": "adaptive", "slo": "ttft<500,max_gap<100"}), clock=lambda: NOW)
-    assert gap.step_bound(10, None, costs=intel) == 0.1
-    assert intel.step_seconds(gap.chunk(busy, intel), 10) <= 0.8 * 0.1
 
 
 def test_a_step_with_first_tokens_of_landed_requests_is_a_streams_step():
@@ -605,9 +579,8 @@ def test_balance_keeps_the_step_guard_and_the_declared_ttft_bound():
 
 
 def test_while_p_decodes_too_a_local_step_may_run_longer():
-    # a 500 ms TTFT bound: steps of 0.15 x 500 = 75 ms alone, lifted to 5 x the 20 ms fixed part of
-    # ten streams' step (local_chunk.response_bound), and twice 75 ms while P decodes too
+    # a 500 ms TTFT bound: steps of 0.15 x 500 = 75 ms alone, twice that while P decodes too
     declared = AdaptivePolicy(PlacementConfig("adaptive", ttft_target_ms=500.0, max_step_ms=math.inf), clock=lambda: NOW)
     alone, beside = declared.chunk(streaming(10), COSTS), declared.chunk(streaming(10), COSTS, serving(6))
-    assert alone == int(0.8 * 0.100 / 0.001) - 20 and beside == int(0.8 * 0.150 / 0.001) - 20
+    assert alone == int(0.8 * 0.075 / 0.001) - 20 and beside == int(0.8 * 0.150 / 0.001) - 20
     assert declared.chunk(streaming(10), COSTS, serving(0)) == alone
