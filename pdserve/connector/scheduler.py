@@ -29,7 +29,7 @@ from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.connector.read_placement import ReadPlacement, next_step_seconds, peer_key
 from pdserve.connector.serve_gate import STATUS_EVERY_S
 from pdserve.connector.step_costs import StepCosts
-from pdserve.connector.whole_requests import SERVED_WHOLE, addressed_to_self
+from pdserve.connector.whole_requests import SERVED_WHOLE, PromptTurns, addressed_to_self
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import MAX_COUNTED_TRANSFERS, MAX_PREFILL_PEERS, DecodeStatus, PrefillLoad
 from pdserve.errors import ProtocolError
@@ -74,6 +74,9 @@ class PDScheduler:
         self._accepted_transfers: dict[str, str] = {}  # WRITE: request id -> transfer id of each accepted leg
         self._whole: dict[str, Any] = {}  # requests served whole here (not legs), until their prompt is computed
         self._legs: dict[str, Any] = {}  # legs waiting for D's word
+        # P with serve_decode: its prompts take turns while it decodes streams (whole_requests.py)
+        self._turns = PromptTurns() if producer and write and config.placement.serve_decode else None
+        self._own_stream_count = 0  # P: the streams of requests it serves whole in its last step
         # D, placement
         self._publishes_status = adaptive and config.role is Role.CONSUMER
         self._status_every_s = STATUS_EVERY_S if write else PUBLISH_EVERY_S
@@ -150,6 +153,7 @@ class PDScheduler:
         decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
         self._decode_load.running_decodes = self._decode_load.streams_after(num_scheduled_tokens)
         streams = self._own_streams(num_scheduled_tokens, new) if self._config.role is Role.PRODUCER else decodes
+        self._own_stream_count = streams
         self._step = (time.monotonic(), prefill, decodes, streams) if prefill or decodes else None
         self._step_landing, self._landing_planned = self._landing_planned, False
 
@@ -174,10 +178,10 @@ class PDScheduler:
             self._chunk_limit = self._local_chunk_limit()
         elif self._config.placement.serve_decode:
             streams = self._own_streams(scheduled, new)
-            prompts = self._accepted.keys() | self._whole.keys()
+            prompts = self._turns.in_progress() if self._turns is not None else 1
             chunk = chunk_tokens(self._costs.coefficients(), streams, self._config.placement.max_step_ms / 1000,
                                  self._budget)
-            self._chunk_limit = threshold(chunk, len(prompts)) if streams else self._budget
+            self._chunk_limit = threshold(chunk, prompts) if streams else self._budget
             self._step_prefill = max(MIN_CHUNK, chunk) if streams else self._budget
         else:
             return
@@ -322,7 +326,7 @@ class PDScheduler:
             return 0, False  # _track_send names the problem
         if params is None:  # not a prefill leg: a request served whole here (serve_decode, or sent to P
             self._whole[rid] = request  # directly); its prompt is in P's queue like an accepted leg's
-            return 0, False
+            return self._take_prompt_turn(request)
         verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK and addressed_to_self(params, self._config):
             # its decode leg was sent here too (serve_decode) and is served whole: drop this one. vLLM
@@ -348,7 +352,15 @@ class PDScheduler:
         if verdict is Verdict.PREFILL:
             self._accepted[rid] = request
             self._accepted_transfers[rid] = params.transfer_id
+            return self._take_prompt_turn(request)
         return 0, False
+
+    def _take_prompt_turn(self, request) -> tuple[int | None, bool]:
+        """P with serve_decode: a prompt waits while another is computed beside P's own streams
+        (whole_requests.py's PromptTurns); it stays in P's queue meanwhile."""
+        if self._turns is None or self._turns.may_start(request, self._own_stream_count):
+            return 0, False
+        return None, False  # vLLM asks again next step
 
     def _place_read_leg(self, request) -> None:
         """READ: decide where this leg's prompt is prefilled (read_placement.py). One left to D is cut
@@ -446,6 +458,8 @@ class PDScheduler:
         self._accepted_transfers.pop(rid, None)
         self._whole.pop(rid, None)
         self._legs.pop(rid, None)
+        if self._turns is not None:
+            self._turns.forget(rid)
         if self._gate is not None:
             self._gate.forget(rid)
         if rid in self._sending or rid in self._preempted:

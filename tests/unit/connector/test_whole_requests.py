@@ -8,6 +8,7 @@ from pdserve.bench.budget import Budget
 from pdserve.config import Role, TransferMode
 from pdserve.connector.registration import RouterRegistration
 from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.whole_requests import PromptTurns
 from pdserve.errors import ConfigError
 from pdserve.launch.options import UpOptions
 from tests.unit.connector.harness import make_config
@@ -154,3 +155,53 @@ def test_p_publishes_as_streams_only_requests_it_decodes(serve_decode):
     assert published_after(SchedulerOutput({"cut-leg": 1, "prompt": 300},
                                            scheduled_new_reqs=[NewRequestData("cut-leg")])) == 0
     assert published_after(SchedulerOutput({"stream": 1, "other": 1})) == 2  # generated tokens of earlier requests
+
+
+def test_p_with_streams_computes_one_prompt_at_a_time():
+    """vLLM limits each prompt of a step to the chunk, not their sum: two prompts P took together
+    made steps past max_step_ms. While P decodes streams, a second prompt waits for the first."""
+    limits: list[int] = []
+    config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, max_step_ms=50)
+    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
+    for tokens, decodes in [(0, 2), (64, 1), (256, 0), (0, 4), (128, 2), (512, 0), (32, 3), (16, 1)] * 3:
+        s.scheduler._costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)
+    s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1}))  # P decodes a stream of its own
+    first = VllmLikeRequest(SELF_ID + "-d1", consumer_params(), 200)
+    second = VllmLikeRequest(SELF_ID + "-d2", consumer_params(), 200)
+    assert s.scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
+    assert s.scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # waits its turn
+    s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1, first.request_id: 30}))
+    assert 28 <= limits[-1] <= 36  # the whole chunk is the first prompt's, not shared with a waiting one
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).load.queued_tokens == 400  # both are P's queue
+    first.num_computed_tokens = 200  # its prompt is computed
+    assert s.scheduler.get_num_new_matched_tokens(second, 0) == (0, False)
+    third = VllmLikeRequest(SELF_ID + "-d3", consumer_params(), 200)
+    s.scheduler.request_finished(second, [])  # aborted before its prompt was computed: its turn ends
+    assert s.scheduler.get_num_new_matched_tokens(third, 0) == (0, False)
+
+
+def test_p_without_streams_takes_prompts_together():
+    s = serving_p()
+    first = VllmLikeRequest(SELF_ID + "-d1", consumer_params(), 200)
+    second = VllmLikeRequest(SELF_ID + "-d2", consumer_params(), 200)
+    assert s.scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
+    assert s.scheduler.get_num_new_matched_tokens(second, 0) == (0, False)  # nobody's gap to keep
+
+
+def test_prompt_turns_follow_the_order_asked_and_end_with_the_prompt():
+    class Req:
+        def __init__(self, rid):
+            self.request_id, self.num_prompt_tokens, self.num_computed_tokens = rid, 100, 0
+
+    turns = PromptTurns()
+    a, b, c = Req("a"), Req("b"), Req("c")
+    assert turns.may_start(a, streams=3) and turns.may_start(a, streams=3)  # asked again: still its turn
+    assert not turns.may_start(b, streams=3) and not turns.may_start(c, streams=3)
+    assert turns.in_progress() == 1
+    a.num_computed_tokens = 100
+    assert turns.may_start(b, streams=3) and not turns.may_start(c, streams=3)
+    b.num_computed_tokens = 0  # preempted: its turn stays
+    assert not turns.may_start(c, streams=3)
+    turns.forget("b")
+    assert turns.may_start(c, streams=3) and turns.may_start(a, streams=0)  # no stream: no turns
+    assert turns.in_progress() == 1  # a's prompt is computed; only c's counts
