@@ -32,9 +32,7 @@ streams' ITL budget only on the prompts P cannot serve in time; and where P woul
 and D would meet it, the ITL guard allows the streams' whole target instead of ITL_HEADROOM of it
 (`ttft_rescue`): a certain TTFT miss outweighs the guard's margin.
 
-Where P serves whole requests from the start (`serve_always`), a prompt goes to the side that
-computes it first (`_earliest`): the router gives P half the requests, so P's time is never free.
-Otherwise, while P decodes streams of its own (`serve_decode`, serve_gate.py) neither side's time is free,
+While P decodes streams of its own (`serve_decode`, serve_gate.py) neither side's time is free,
 and the rules above, which spend P's time to spare D's streams, give way to `balance` (balance.py):
 the prompt goes to the side whose streams advance faster with it counted, as plain serving on two
 instances prefills each prompt beside its own streams; the step guard and the declared TTFT bound
@@ -260,8 +258,6 @@ class AdaptivePolicy:
         local_costs = self.local_costs(view, load)
         if local_costs is None or load is None and not view.knows_prefill:
             return Decision(Placement.REMOTE, Reason.WARMING_UP)
-        if load is not None and self._config.serve_always:
-            return self._earliest(uncached_tokens, view, load, local_costs, local_delay_s)
         if load is not None and load.decodes > 0:
             return self._balance(uncached_tokens, view, load, local_costs, local_delay_s)
         if load is not None and self._queued(view, load) == 0:  # P starts it at once; D stays free
@@ -284,26 +280,6 @@ class AdaptivePolicy:
                 return Decision(Placement.LOCAL, Reason.TTFT_RESCUE, local, remote, compute)
             return Decision(Placement.REMOTE, Reason.ITL_GUARD, local, remote, compute)
         return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote, compute)
-
-    def _earliest(self, tokens: int, view: DecodeView, load: PrefillLoad, costs: Coefficients,
-                  local_delay_s: float) -> Decision:
-        """P serves whole requests from the start (`serve_always`): the router sends it half the
-        requests, so its time is never free, and a prompt D sends it waits behind P's own. The
-        prompt goes to the side that computes it first, by each side's queue (P's decode steps
-        counted, as in `_balance`), within the step guard: the shorter queue, as plain serving on two
-        instances would want from its router. (With the rules for a P that only prefills, D sent
-        both prompts of a burst to a P that had just taken one whole and was about to take two more,
-        and idled: `benchmarks/serve-always-intel/`.)"""
-        remote = self._remote_ttft(tokens, view, load, costs)
-        remote += math.ceil((self._queued(view, load) + tokens) / load.budget) * costs.per_decode_s * load.decodes
-        compute = remote - self._path_s(view)
-        chunk = self.chunk(view, costs, load)
-        if chunk < MIN_CHUNK:
-            return Decision(Placement.REMOTE, Reason.STEP_GUARD, None, remote, compute)
-        local = local_delay_s + self._local_ttft(tokens, view, costs, chunk)
-        if local <= remote:
-            return Decision(Placement.LOCAL, Reason.LOCAL_FASTER, local, remote, compute)
-        return Decision(Placement.REMOTE, Reason.REMOTE_FASTER, local, remote, compute)
 
     def _balance(self, tokens: int, view: DecodeView, load: PrefillLoad, costs: Coefficients,
                  local_delay_s: float) -> Decision:
@@ -342,8 +318,7 @@ class AdaptivePolicy:
         return step_bound(decodes, self._config.max_step_ms / 1000, self._response_s(load, landed))
 
     def _response_s(self, load: PrefillLoad | None, landed: bool = False) -> float:
-        shared = self._config.serve_always or load is not None and load.decodes > 0  # D prefills its share too
-        response = self._config.response_step_s * (RESPONSE_STRETCH if shared else 1)
+        response = self._config.response_step_s * (RESPONSE_STRETCH if load is not None and load.decodes > 0 else 1)
         return min(response, self._config.landing_step_s) if landed else response
 
     def _within_itl(self, tokens: int, view: DecodeView, costs: Coefficients, headroom: float) -> bool:

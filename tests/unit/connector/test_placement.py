@@ -584,26 +584,3 @@ def test_while_p_decodes_too_a_local_step_may_run_longer():
     alone, beside = declared.chunk(streaming(10), COSTS), declared.chunk(streaming(10), COSTS, serving(6))
     assert alone == int(0.8 * 0.075 / 0.001) - 20 and beside == int(0.8 * 0.150 / 0.001) - 20
     assert declared.chunk(streaming(10), COSTS, serving(0)) == alone
-
-
-def splitting(ttft_target_ms: float = 500.0) -> AdaptivePolicy:
-    """D beside a P that serves whole requests from the start (serve_decode: always)."""
-    return AdaptivePolicy(PlacementConfig("adaptive", max_step_ms=math.inf, ttft_target_ms=ttft_target_ms,
-                                          serve_decode=True, serve_always=True), clock=lambda: NOW)
-
-
-def test_with_p_serving_from_the_start_the_prompt_goes_where_it_is_computed_first():
-    # P has nothing queued and no stream: the idle rule would send it to P; a D with no backlog is quicker
-    idle_p = splitting().decide(64, streaming(2), serving(0))
-    assert (idle_p.placement, idle_p.reason) == (Placement.LOCAL, Reason.LOCAL_FASTER)
-    assert idle_p.ttft_local_s <= idle_p.ttft_remote_s
-    # P within the TTFT bound no longer takes it (within_ttft spends P's time, which is not free here)
-    queued_p = splitting().decide(256, streaming(2), serving(1, queued=100))
-    assert queued_p.placement is Placement.LOCAL and queued_p.ttft_remote_s < 0.8 * 0.5
-    # D behind a long local backlog: P computes it first
-    backlogged = DecodeView(2, 2000, 0, 576, COSTS, True, None, 512, 512)
-    remote = splitting().decide(256, backlogged, serving(1, queued=200))
-    assert (remote.placement, remote.reason) == (Placement.REMOTE, Reason.REMOTE_FASTER)
-    assert remote.ttft_remote_s < remote.ttft_local_s
-    # D's chunk beside its streams runs at the stretched response bound, as while P decodes
-    assert splitting().chunk(streaming(10), COSTS) == int(0.8 * 0.150 / 0.001) - 20
