@@ -5,8 +5,6 @@ instance) or ``512/256`` (prefill instance / decode instance, PD modes only; wit
 the decode budget is the chunk in which decode prefills a prompt itself). ``+serve`` after an
 adaptive budget (``512/64+serve``) also lets the prefill instance serve whole requests
 (``pdserve up --prefill-serves-decode``), so tuning decides whether that helps the workload;
-``+serve-always`` lets it do so from the start, not only while decode's streams are loaded
-(``--prefill-serves-decode always``);
 ``+eager`` lets an idle prefill instance start a leg before decode's word (``--eager-prefill``). ``write-two-host`` and
 ``read-two-host`` are write and read with P and D in two network namespaces: budgeted the same way.
 ``adaptive@NAME`` is adaptive declaring the plan's SLO ``NAME`` (``pdserve up --slo``): budgeted,
@@ -21,7 +19,6 @@ from dataclasses import dataclass
 from pdserve.errors import ConfigError
 
 SERVE_SUFFIX = "+serve"
-SERVE_ALWAYS_SUFFIX = "+serve-always"  # the prefill instance serves whole requests from the start
 EAGER_SUFFIX = "+eager"
 PLAIN_CONFIGS = ("collocated", "round-robin", "chunked")  # every instance prefills and decodes
 TWO_HOST_SUFFIX = "-two-host"
@@ -50,22 +47,18 @@ class Budget:
     decode: int | None = None
     serve_decode: bool = False  # adaptive: the prefill instance serves whole requests too
     eager_prefill: bool = False  # adaptive: an idle prefill instance starts a leg before decode's word
-    serve_always: bool = False  # adaptive: ... whole requests from the start, not only under load
 
     @classmethod
     def parse(cls, spec: str) -> "Budget":
         text, *flags = spec.strip().split("+")
         flags = ["+" + f.strip() for f in flags]
         parts = [p.strip() for p in text.split("/")]
-        serves = [f for f in flags if f in (SERVE_SUFFIX, SERVE_ALWAYS_SUFFIX)]
-        if len(parts) > 2 or not all(parts) or not set(flags) <= {SERVE_SUFFIX, SERVE_ALWAYS_SUFFIX, EAGER_SUFFIX} \
-                or len(set(flags)) != len(flags) or len(serves) > 1:
+        if len(parts) > 2 or not all(parts) or not set(flags) <= {SERVE_SUFFIX, EAGER_SUFFIX} \
+                or len(set(flags)) != len(flags):
             raise ConfigError(f"budget {spec!r} is not default, TOKENS or PREFILL/DECODE (e.g. 512/256), "
-                              f"optionally followed by one of {SERVE_SUFFIX} or {SERVE_ALWAYS_SUFFIX} and/or "
-                              f"{EAGER_SUFFIX}")
+                              f"optionally followed by {SERVE_SUFFIX} and/or {EAGER_SUFFIX}")
         values = [None if p == "default" else _tokens(p, spec) for p in parts]
-        return cls(values[0], values[1] if len(values) == 2 else None, bool(serves), EAGER_SUFFIX in flags,
-                   SERVE_ALWAYS_SUFFIX in flags)
+        return cls(values[0], values[1] if len(values) == 2 else None, SERVE_SUFFIX in flags, EAGER_SUFFIX in flags)
 
     def check(self, config: str) -> None:
         config = base_config(config)
@@ -79,8 +72,7 @@ class Budget:
     def __str__(self) -> str:
         text = "default" if self.prefill is None else str(self.prefill)
         text = text if self.decode is None else f"{text}/{self.decode}"
-        serve = (SERVE_ALWAYS_SUFFIX if self.serve_always else SERVE_SUFFIX) if self.serve_decode else ""
-        return text + serve + (EAGER_SUFFIX if self.eager_prefill else "")
+        return text + (SERVE_SUFFIX if self.serve_decode else "") + (EAGER_SUFFIX if self.eager_prefill else "")
 
 
 def _tokens(text: str, spec: str) -> int:

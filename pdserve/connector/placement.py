@@ -110,7 +110,6 @@ class PlacementConfig:
     transfer_overhead_ms: float | None = None
     max_local_tokens: float = float("inf")  # D: never prefill more uncached tokens than this itself
     serve_decode: bool = False  # P: also a decode instance for the router, serving whole requests (whole_requests.py)
-    serve_always: bool = False  # ... from the start, not only while D's streams are loaded (serve_gate.py)
     eager: bool = False  # P: with no prompt to compute, start a leg before D's word (eager_prefill.py)
     ttft_target_ms: float = math.inf  # D: a prompt P serves within TTFT_HEADROOM x this goes to P (declared SLO)
     slo: str | None = None  # the declared SLO these bounds were read from (slo_targets.py)
@@ -143,7 +142,6 @@ class PlacementConfig:
 
 PLACEMENT_KEYS = ("placement", "placement_wait", "itl_target_ms", "max_step_ms", "transfer_overhead_ms",
                   "max_local_tokens", "serve_decode", "eager_prefill", "slo")
-SERVE_ALWAYS = "always"  # serve_decode: P serves whole requests from the start (serve_gate.py), not only under load
 ITL_HEADROOM = 0.9  # of the mean-ITL allowance a local prefill may use: streams differ from the mean
 RESPONSE_SHARE = 0.15  # of the TTFT bound one local prefill step may hold back decisions and landed first tokens
 DEFAULT_TTFT_MS = 1000.0  # the TTFT bound of a deployment that declares none (the blog SLO's)
@@ -173,19 +171,17 @@ def parse_placement(extra: Mapping[str, Any]) -> PlacementConfig:
     flags = {}
     for key in ("serve_decode", "eager_prefill"):
         flags[key] = extra.get(key, False)
-        if flags[key] not in (True, False) and not (key == "serve_decode" and flags[key] == SERVE_ALWAYS):
-            allowed = f"true, false or {SERVE_ALWAYS!r}" if key == "serve_decode" else "true or false"
-            raise ConfigError(f"kv_connector_extra_config.{key} must be {allowed}, got {flags[key]!r}")
-    serve_always = flags["serve_decode"] == SERVE_ALWAYS
-    serve_decode = bool(flags["serve_decode"])
+        if flags[key] not in (True, False):
+            raise ConfigError(f"kv_connector_extra_config.{key} must be true or false, got {flags[key]!r}")
+    serve_decode = flags["serve_decode"]
     if serve_decode and policy != "adaptive":
         raise ConfigError("kv_connector_extra_config.serve_decode needs placement adaptive: the prefill leg of a "
                           "request the prefill instance serves whole must wait to be dropped")
     if flags["eager_prefill"] and policy != "adaptive":
         raise ConfigError("kv_connector_extra_config.eager_prefill needs placement adaptive")
     slo = _declared_slo(extra, policy, numbers)
-    return PlacementConfig(policy, **numbers, serve_decode=serve_decode, serve_always=serve_always,
-                           eager=bool(flags["eager_prefill"]), slo=slo)
+    return PlacementConfig(policy, **numbers, serve_decode=bool(serve_decode), eager=bool(flags["eager_prefill"]),
+                           slo=slo)
 
 
 def _declared_slo(extra: Mapping[str, Any], policy: str, numbers: dict) -> str | None:

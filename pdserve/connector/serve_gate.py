@@ -24,14 +24,6 @@ answers), so a D that idled after a loaded spell would reopen the gate with its 
   but not before it was open MIN_OPEN_S: the router forgets a decode instance only 5-11 s after
   its last heartbeat (a 5 s expiry, swept every ~5 s), so shorter spells would only flap.
 
-With `always` (``serve_decode: always``, the bench's ``+serve-always``) the gate is open from the
-start and never closes: P is a decode instance for the router throughout, as each instance of
-round-robin plain serving is, and D places each prompt by balance from P's first stream. That is the
-split a declared SLO bounding TTFT tightly but no gap favours on prefill-heavy traffic, where the
-rules above keep the gate shut (P's prefill share stays above MAX_PREFILL_SHARE while every prompt
-is P's, and D's streams, all on one core, leave no ITL room for a local prefill): only the split
-lets both cores prefill and halves the streams each decodes.
-
 The router then sends P a share of the decode legs (pdserve launches it with the decode policy
 power_of_two: each new request goes to the decode instance with fewer in flight, so P takes the new
 ones until it runs as many as D), and D's streams see fewer neighbours. While P decodes, D places
@@ -60,17 +52,16 @@ STATUS_EVERY_S = 0.5  # D publishes its status to P this often in WRITE mode (th
 
 
 class ServeGate:
-    def __init__(self, itl_target_s: float, clock=time.monotonic, always: bool = False):
+    def __init__(self, itl_target_s: float, clock=time.monotonic):
         if not itl_target_s > 0:
             raise ValueError(f"itl_target_s must be positive, got {itl_target_s}")
         self._itl_target_s = itl_target_s
         self._clock = clock
-        self._always = always
         self._lock = threading.Lock()
         self._heard: dict[tuple[str, int], tuple[float, float | None, DecodeStatus]] = {}  # D -> (received at, ITL, status)
         self._own_load: PrefillLoad | None = None
-        self._opened_at: float | None = clock() if always else None
-        self.openings = 1 if always else 0
+        self._opened_at: float | None = None
+        self.openings = 0
 
     def on_status(self, status: DecodeStatus) -> None:
         with self._lock:
@@ -86,8 +77,6 @@ class ServeGate:
 
     def is_open(self) -> bool:
         """Decide now; the heartbeat thread asks before each beat."""
-        if self._always:
-            return True
         with self._lock:
             now = self._clock()
             fresh = [(itl, status) for at, itl, status in self._heard.values() if now - at < STALE_S and itl is not None]

@@ -82,7 +82,7 @@ class PDWorker:
         self._remote_paths: list[float] = []  # D: this interval's measured remote paths (remote_path.py)
         self._prefill_queue: list[int] = []  # P: queued prompt tokens it published, latest last
         # P, serve_decode: registered as a decode instance too while D's streams are loaded (serve_gate.py)
-        self._serve_gate = (ServeGate(config.placement.stream_itl_s, always=config.placement.serve_always)
+        self._serve_gate = (ServeGate(config.placement.stream_itl_s)
                             if config.role is Role.PRODUCER and config.placement.serve_decode else None)
         self._decode_registration: RouterRegistration | None = None
         self._reported_serving: bool | None = None

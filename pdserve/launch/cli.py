@@ -75,11 +75,10 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
                         "'ttft<1000,max_gap<50' (the bench's syntax): decode keeps its streams' mean ITL under "
                         "the mean_itl bound and bounds its steps by max_gap, or not at all without one "
                         "(instead of --itl-target-ms / --max-step-ms)")
-    p.add_argument("--prefill-serves-decode", nargs="?", const="loaded", choices=("loaded", "always"),
+    p.add_argument("--prefill-serves-decode", action="store_true",
                    help="adaptive mode, one prefill instance: while decode's streams are loaded (their mean ITL "
                         "near the ITL target) it registers with the router as a decode instance too and serves "
-                        "the requests sent to it whole (for decode-heavy traffic); with 'always' from the start, "
-                        "so both instances prefill and decode (for an SLO with a tight TTFT and no gap bound)")
+                        "the requests sent to it whole (for decode-heavy traffic)")
     p.add_argument("--eager-prefill", action="store_true",
                    help="adaptive mode: a prefill instance with nothing queued starts a prefill leg before the "
                         "decode instance decided, and says so (saves the decision's wait; the decode instance "
@@ -96,8 +95,7 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      startup_timeout=args.startup_timeout, log_dir=args.log_dir, restart=args.restart,
                      drain_timeout=args.drain_timeout, prefill_budget=args.prefill_budget,
                      decode_budget=args.decode_budget, itl_target_ms=args.itl_target_ms,
-                     max_step_ms=args.max_step_ms, slo=args.slo, serve_decode=args.prefill_serves_decode is not None,
-                     serve_always=args.prefill_serves_decode == "always",
+                     max_step_ms=args.max_step_ms, slo=args.slo, serve_decode=args.prefill_serves_decode,
                      eager_prefill=args.eager_prefill, num_prefill=args.num_prefill, num_decode=args.num_decode)
 
 

@@ -64,7 +64,6 @@ class UpOptions:
     max_step_ms: float | None = None  # ... and while one chunk step takes no longer than this
     slo: str | None = None  # adaptive placement: the declared SLO, instead of the two above (connector/slo_targets.py)
     serve_decode: bool = False  # adaptive placement: the prefill instance serves whole requests too
-    serve_always: bool = False  # ... from the start, not only while decode's streams are loaded
     eager_prefill: bool = False  # adaptive placement: an idle prefill instance starts a leg before decode's word
     num_prefill: int = 1
     num_decode: int = 1
@@ -88,8 +87,6 @@ class UpOptions:
                 raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
         if self.serve_decode and self.mode != "adaptive":
             raise ConfigError(f"the prefill instance serves whole requests only in adaptive mode (WRITE), not {self.mode}")
-        if self.serve_always and not self.serve_decode:
-            raise ConfigError("serve_always is a way of serving whole requests on the prefill instance: give serve_decode too")
         if self.eager_prefill and self.mode != "adaptive":
             raise ConfigError(f"eager prefill is a placement option of adaptive mode (WRITE), not {self.mode}")
         if self.serve_decode and self.num_prefill != 1:

@@ -35,7 +35,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.connector.placement import SERVE_ALWAYS
 from pdserve.control.secret import generate_secret_file
 from pdserve.errors import ConfigError
 from pdserve.launch.cores import divide_cores, sharing_warning
@@ -206,7 +205,7 @@ def _adaptive(options: UpOptions, mode: str) -> Deployment:
     if options.slo is not None:
         extra["slo"] = options.slo
     if options.serve_decode:
-        extra["serve_decode"] = SERVE_ALWAYS if options.serve_always else True
+        extra["serve_decode"] = True
     if options.eager_prefill:
         extra["eager_prefill"] = True
     return pd_deployment(tuned, mode, extra)

@@ -84,17 +84,6 @@ def test_a_silent_decode_instance_counts_as_idle():
     assert not g.is_open()
 
 
-def test_always_is_open_from_the_start_whatever_the_load():
-    clock = Clock()
-    g = ServeGate(TARGET_S, clock=clock, always=True)
-    assert g.is_open() and g.open and g.openings == 1  # nothing heard yet: a decode instance from the start
-    g.on_own_load(own_load(10_000))  # a P far behind on D's legs
-    g.on_status(status(0.001))  # an idle D
-    clock.now += 10 * MIN_OPEN_S
-    assert g.is_open() and g.openings == 1
-    assert not ServeGate(TARGET_S, clock=clock).is_open()  # the loaded gate, by contrast, waits for D's load
-
-
 def test_the_itl_target_must_be_positive():
     with pytest.raises(ValueError, match="must be positive"):
         ServeGate(0.0)

@@ -79,14 +79,8 @@ def test_p_registers_as_its_role_and_with_serve_decode_as_decode_instance_too():
 def test_serve_decode_is_checked_at_the_edges():
     with pytest.raises(ConfigError, match="serve_decode needs placement adaptive"):
         make_config("kv_producer", TransferMode.WRITE, serve_decode=True)
-    with pytest.raises(ConfigError, match="serve_decode must be true, false or 'always', got 'sometimes'"):
+    with pytest.raises(ConfigError, match="serve_decode must be true or false"):
         make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode="sometimes")
-    always = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode="always").placement
-    assert (always.serve_decode, always.serve_always) == (True, True)
-    loaded = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True).placement
-    assert (loaded.serve_decode, loaded.serve_always) == (True, False)
-    with pytest.raises(ConfigError, match="give serve_decode too"):
-        UpOptions(mode="adaptive", model="/m", serve_always=True)
     with pytest.raises(ConfigError, match=r"only in adaptive mode \(WRITE\), not write"):
         UpOptions(mode="write", model="/m", serve_decode=True)
     with pytest.raises(ConfigError, match="only when it is the only one"):
@@ -95,10 +89,6 @@ def test_serve_decode_is_checked_at_the_edges():
     assert (budget, str(budget)) == (Budget(512, 64, True), "512/64+serve")
     assert Budget.parse("512+eager+serve") == Budget(512, None, True, True)
     assert str(Budget(512, None, False, True)) == "512+eager"
-    always = Budget.parse("512+serve-always")
-    assert (always, str(always)) == (Budget(512, None, True, False, True), "512+serve-always")
-    with pytest.raises(ConfigError, match="one of \\+serve or \\+serve-always"):
-        Budget.parse("512+serve+serve-always")
     with pytest.raises(ConfigError, match="optionally followed by"):
         Budget.parse("512+fast")
     with pytest.raises(ConfigError, match="start legs eagerly"):
