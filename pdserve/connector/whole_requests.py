@@ -16,8 +16,9 @@ decode on P, P limits each step's prompt tokens (its own and D's legs) with the 
 local prompts (local_chunk.py, applied by PDScheduler), so its own streams see no gap longer than
 max_step_ms. vLLM applies that limit to each prompt of a step, and only a max-num-batched-tokens
 budget bounds their sum, so while P decodes streams it computes one prompt at a time (`PromptTurns`),
-as D does its local ones: with 512+serve-always two prompts admitted together ran 512-token steps
-of ~196 ms past a 100 ms bound (`benchmarks/serve-always-intel/`). Free of vLLM.
+as D does its local ones. (In a variant where P served whole requests from the start, tried and not
+adopted, prompts admitted together ran 512-token steps of ~196 ms past a 100 ms bound:
+`benchmarks/serve-always-intel/`.) Free of vLLM.
 """
 
 from __future__ import annotations
