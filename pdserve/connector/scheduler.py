@@ -115,7 +115,7 @@ class PDScheduler:
             self._emit_due_sends(scheduler_output.num_scheduled_tokens)
         new = {r.req_id for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ()}
         self._start_step(scheduler_output.num_scheduled_tokens, new)
-        self._apply_chunk(scheduler_output.num_scheduled_tokens, new)
+        self._apply_chunk()
         if self._gate is not None or self._read is not None:
             self._meta.load = self._prefill_load()
         if self._read is not None:
@@ -167,7 +167,7 @@ class PDScheduler:
         prompts = self._accepted.keys() | self._whole.keys()
         return sum(1 for rid, n in scheduled.items() if n == 1 and rid not in new and rid not in prompts)
 
-    def _apply_chunk(self, scheduled: dict[str, int], new: set[str]) -> None:
+    def _apply_chunk(self) -> None:
         """Adaptive: the next step's limit on one prompt's prefill tokens, from the streams of this
         one (local_chunk.py), on an instance that decodes: D (its local prompts never stretch a step
         past max_step_ms) and, with serve_decode, P (the prompts it prefills never stretch a step of
@@ -177,7 +177,7 @@ class PDScheduler:
         if self._config.role is Role.CONSUMER:
             self._chunk_limit = self._local_chunk_limit()
         elif self._config.placement.serve_decode:
-            streams = self._own_streams(scheduled, new)
+            streams = self._own_stream_count  # this step's, counted by _start_step
             prompts = self._turns.in_progress() if self._turns is not None else 1
             chunk = chunk_tokens(self._costs.coefficients(), streams, self._config.placement.max_step_ms / 1000,
                                  self._budget)
