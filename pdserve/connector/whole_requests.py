@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.config import ConnectorConfig
+from pdserve.connector.decode_load import uncomputed_prompt_tokens
 from pdserve.params import TransferParams
 
 SERVED_WHOLE = "whole:serve_decode"  # placement label of a request P served whole
@@ -65,6 +66,4 @@ class PromptTurns:
         self._started.pop(rid, None)
 
     def _forget_computed(self) -> None:
-        for rid, request in list(self._started.items()):
-            if request.num_computed_tokens >= request.num_prompt_tokens:
-                del self._started[rid]
+        uncomputed_prompt_tokens(self._started)  # drops the prompts already computed
