@@ -16,8 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.connector.chunk_headroom import ChunkHeadroom
-from pdserve.connector.local_chunk import MIN_CHUNK
+from pdserve.connector.chunk_costs import ChunkCosts
 from pdserve.connector.placement import DecodeView
 from pdserve.connector.remote_path import RemotePath
 from pdserve.connector.step_costs import StepCosts
@@ -48,7 +47,6 @@ def uncomputed_prompt_tokens(requests: dict) -> int:
 
 
 STREAM_WEIGHT = 0.05  # of each finished request in the mean output length
-CHUNK_WEIGHT = 0.2  # of each local chunk step in the measured cost of a prompt token
 MAX_SPAN_S = 120.0  # steps longer ago than this are forgotten
 NOW_SPAN_S = 2.0  # the span of `now_itl`: a few of D's status periods, short beside a stream's life
 
@@ -58,14 +56,13 @@ class DecodeLoad:
         self.budget = budget
         self.chunk = chunk or budget
         self.costs = StepCosts()
-        self.headroom = ChunkHeadroom()  # how full of its bound a local chunk step is planned
+        self.chunk_costs = ChunkCosts()  # a prompt token's cost in D's chunk steps, and their headroom
         self.remote_path = RemotePath(clock=clock)  # a remote TTFT beyond P's compute, measured
         self.running_decodes = 0
         self._itl_target_s = itl_target_s
         self._clock = clock
         self._steps: deque[tuple[float, float, int]] = deque()  # (when, seconds, decodes) of D's decode steps
         self._stream_tokens = 0.0
-        self._prefill_token_s: float | None = None  # what a prompt token added to D's chunk steps (EWMA)
         self._local: dict[str, object] = {}  # request id -> request prefilled here
         self._remote: dict[str, _Remote] = {}  # request id -> a prompt sent to a P, until its KV lands
         self._loads: dict[tuple[str, int], PrefillLoad] = {}
@@ -97,17 +94,10 @@ class DecodeLoad:
 
     def on_step(self, seconds: float, decodes: int, prefill_tokens: int = 0) -> None:
         """A finished step that took `seconds`, gave `decodes` streams a token each and computed
-        `prefill_tokens` prompt tokens. A step with a chunk of local prefill also measures what a
-        prompt token costs in such a step: what the step took beyond its decodes' share (by the step
-        cost fit), per token, and how far the step ran from what that measure predicted for it
-        (chunk_headroom.py). The fit itself trims those rare, slow steps as outliers."""
-        base = self.costs.coefficients() if prefill_tokens >= MIN_CHUNK else None
-        if base is not None and seconds >= 0:
-            if self._prefill_token_s is not None:
-                self.headroom.observe(seconds, base.step_seconds(0, decodes) + self._prefill_token_s * prefill_tokens)
-            per_token = max(0.0, seconds - base.step_seconds(0, decodes)) / prefill_tokens
-            self._prefill_token_s = per_token if self._prefill_token_s is None else (
-                self._prefill_token_s + CHUNK_WEIGHT * (per_token - self._prefill_token_s))
+        `prefill_tokens` prompt tokens. A step with a chunk of local prefill also teaches what a
+        prompt token costs in such a step and how full of its bound the next is planned
+        (chunk_costs.py)."""
+        self.chunk_costs.on_step(seconds, self.costs, decodes, prefill_tokens)
         if decodes > 0 and seconds >= 0:
             now = self._clock()
             self._steps.append((now, seconds, decodes))
@@ -180,5 +170,5 @@ class DecodeLoad:
         outstanding = sum(r.tokens for r in self._remote.values() if r.peer == key and not r.counted)
         return DecodeView(self.running_decodes, self.local_backlog(), outstanding, self.budget,
                           self.costs.coefficients(), self.costs.knows_prefill, self.recent_itl(),
-                          self._stream_tokens, self.chunk, self._prefill_token_s, self.now_itl(),
-                          self.headroom.headroom(), self.remote_path.seconds())
+                          self._stream_tokens, self.chunk, self.chunk_costs.prefill_token_s, self.now_itl(),
+                          self.chunk_costs.headroom.headroom(), self.remote_path.seconds())

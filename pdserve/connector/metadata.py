@@ -80,7 +80,8 @@ class StepPlan:
     load: PrefillLoad | None = None  # P, adaptive: what to publish to decode instances
     status: DecodeStatus | None = None  # D, adaptive, READ: what to publish to prefill instances
     placements: list[str] = field(default_factory=list)  # D: decisions made this step ("local:local_faster")
-    chunk_steps: list[str] = field(default_factory=list)  # D: its last step with a local chunk, "within"/"over" its bound
+    # its last step with a chunk beside streams (D; P with serve_decode), "within"/"over" its bound
+    chunk_steps: list[str] = field(default_factory=list)
     remote_paths: list[float] = field(default_factory=list)  # D: seconds of path of remote prompts that took their first token (remote_path.py)
     idle: bool = False  # no tokens scheduled this step: the worker may wait briefly for progress
 

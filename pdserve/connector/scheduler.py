@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
+from pdserve.connector.chunk_costs import ChunkCosts
 from pdserve.connector.decode_load import DecodeLoad, uncomputed_prompt_tokens
 from pdserve.connector.decode_status import status_of
 from pdserve.connector.eager_prefill import EAGER_LABEL, StartedLegs, prefill_idle
@@ -69,6 +70,8 @@ class PDScheduler:
         self._read = (ReadPlacement(self._policy, peer_key(config.host_ip, config.handshake_port))
                       if producer and not write else None)
         self._costs = StepCosts()
+        # P with serve_decode: a prompt token's cost in its chunk steps beside its own streams (chunk_costs.py)
+        self._chunk_costs = ChunkCosts() if producer and config.placement.serve_decode else None
         self._prefill_share = PrefillShare()  # P: its time in prefill steps (published in its load, serve_gate.py)
         self._accepted: dict[str, Any] = {}  # legs D wants prefilled here, until their prompt is computed
         self._accepted_transfers: dict[str, str] = {}  # WRITE: request id -> transfer id of each accepted leg
@@ -179,8 +182,10 @@ class PDScheduler:
         elif self._config.placement.serve_decode:
             streams = self._own_stream_count  # this step's, counted by _start_step
             prompts = self._turns.in_progress() if self._turns is not None else 1
-            chunk = chunk_tokens(self._costs.coefficients(), streams, self._config.placement.max_step_ms / 1000,
-                                 self._budget)
+            learnt = self._chunk_costs
+            chunk = chunk_tokens(learnt.costs(self._costs.coefficients()), streams,
+                                 self._config.placement.max_step_ms / 1000, self._budget,
+                                 headroom=learnt.headroom.headroom())
             self._chunk_limit = threshold(chunk, prompts) if streams else self._budget
             self._step_prefill = max(MIN_CHUNK, chunk) if streams else self._budget
         else:
@@ -220,6 +225,11 @@ class PDScheduler:
                 self._meta.remote_paths.extend(self._decode_load.remote_path.step_ended())
             else:
                 self._prefill_share.on_step(started, took, prefill, streams)
+                if streams and self._chunk_costs is not None:  # a step whose chunk _apply_chunk sized
+                    self._chunk_costs.on_step(took, self._costs, decodes, prefill)
+                    if prefill >= MIN_CHUNK:  # on /metrics as D's are: did P's streams wait past the bound?
+                        bound = self._config.placement.max_step_ms / 1000
+                        self._meta.chunk_steps.append(OVER if took > bound else WITHIN)
             self._step = None
 
     def _judge_chunk_step(self, took: float, prefill: int, decodes: int) -> None:

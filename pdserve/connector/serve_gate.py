@@ -17,8 +17,13 @@ answers), so a D that idled after a loaded spell would reopen the gate with its 
   at most MAX_PREFILL_SHARE of the last seconds in prefill steps (`PrefillLoad.prefill_share`),
   and a stream it took now would advance faster than D's do (`p_stream_itl`: D's fitted decode
   step for P's streams and one more, stretched by P's prefill steps). So on decode-heavy traffic,
-  where P idles between short prompts, it opens with D's first few streams; on prefill-heavy
-  traffic, where P's time is D's legs', it stays shut.
+  where P idles between short prompts, it opens once D's streams near the target; on prefill-heavy
+  traffic, where P's time is D's legs', it stays shut. Not sooner: a decode step is mostly fixed
+  cost (on a 2-core Xeon 27 ms with 4 streams, 35 ms with 20), so streams well within the target
+  gain a few ms on P and take P's chunk steps instead; opening at 0.5 x the target, P served half
+  the requests of a decode-heavy run from D's fourth stream on, and their gaps cost gap50
+  attainment 0.59-0.76 against write's 1.00 (at 0.75 the gate stayed shut and adaptive had 1.00;
+  benchmarks/decode-heavy-chunk-costs-intel/, decode-heavy-gate-intel/).
 * It closes when every decode instance's ITL is below CLOSE_AT x the target (or D says nothing
   for STALE_S: an idle D publishes nothing), or P's prefill share rises past MAX_PREFILL_SHARE,
   but not before it was open MIN_OPEN_S: the router forgets a decode instance only 5-11 s after
@@ -43,8 +48,8 @@ from pdserve.control.messages import DecodeStatus, PrefillLoad
 
 logger = logging.getLogger("pdserve.connector")
 
-OPEN_AT = 0.5  # x the ITL target: D's streams' ITL now from which P may serve whole requests
-CLOSE_AT = 0.35  # x the ITL target: below this on every decode instance, P stops
+OPEN_AT = 0.75  # x the ITL target: D's streams' ITL now from which P may serve whole requests
+CLOSE_AT = 0.5  # x the ITL target: below this on every decode instance, P stops
 MAX_PREFILL_SHARE = 0.5  # P spending more of its time in prefill steps keeps it for D's legs
 MIN_OPEN_S = 10.0  # an open gate stays open at least this long
 STALE_S = 2.0  # a decode instance not heard from for this long counts as idle

@@ -79,7 +79,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
     D's word (eager_prefill.py), and, with `serve_decode`,
     `pdserve:placements_total{placement="whole",reason="serve_decode"}`, one per request it served
     whole (whole_requests.py), and `pdserve:serving_decode`, 1 while it offers itself to the router
-    as a decode instance (serve_gate.py; both gauges as of P's last step). On an adaptive D,
+    as a decode instance (serve_gate.py; both gauges as of P's last step), and
+    `pdserve:local_chunk_steps_total{bound=within|over}`, one per step that prefilled beside
+    streams of its own, by whether it kept `max_step_ms` (chunk_costs.py). On an adaptive D,
     `pdserve:local_chunk_steps_total{bound=within|over}`, one per step with a local chunk, by whether
     it kept the bound its chunk was sized for (`max_step_ms` with streams running, the response
     bound; local_chunk.py), and `pdserve:remote_path_seconds`, one observation per prompt it sent to
