@@ -4,9 +4,10 @@
 
     <dir>/placements/<config>/r<rate>_s<seed>.json   {"remote:prefill_idle": 31, "local:local_faster": 9, ...}
 
-Beside the decisions, under `chunk_step:within` / `chunk_step:over`, the change of decode's
-`pdserve:local_chunk_steps_total{bound}`: its steps with a local chunk, by whether they kept the
-bound the chunk was sized for.
+Beside the decisions, under `chunk_step:within` / `chunk_step:over`, the change of
+`pdserve:local_chunk_steps_total{bound}`: decode's steps with a local chunk and, with serve_decode,
+P's steps that prefilled beside streams of its own, by whether they kept the bound the chunk was
+sized for.
 
 Counters count every request of the point, not only the scored ones; plain serving has no
 connector and no decisions, and no row in the report.
@@ -90,7 +91,8 @@ def section(rows: Sequence[tuple[str, float, Counts]]) -> list[str]:
              "to place; legs P started before decode's word, `remote:eager`, are counted apart: decode "
              "still decides each of those requests). Chunk steps over bound: decode's steps with a chunk "
              "of local prefill that ran past the bound the chunk was sized for (`max_step_ms` with "
-             "streams running, the response bound), of all such steps.", "",
+             "streams running, the response bound), and P's steps that prefilled beside requests it "
+             "serves whole and ran past `max_step_ms` (counted from 2026-12-05), of all such steps.", "",
              "| configuration | rate | decided | remote | local | chunk steps over bound | reasons (most frequent first) |",
              "|---|---|---|---|---|---|---|"]
     for config, rate, counts in rows:
