@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping
 
-from pdserve.connector.placement import PLACEMENT_KEYS, PlacementConfig, parse_placement
 from pdserve.errors import ConfigError
+from pdserve.placement.config import PLACEMENT_KEYS, PlacementConfig, parse_placement
 
 SECRET_FILE_ENV = "PDSERVE_SECRET_FILE"
 FAULT_PLAN_ENV = "PDSERVE_FAULT_PLAN"  # test-only: path of a fault plan (pdserve/faults)
@@ -55,9 +55,9 @@ class ConnectorConfig:
     allowed_peers: tuple[str, ...]  # IP networks (CIDR) or exact host names this instance may contact
     peer_idle_timeout: float  # seconds after which a peer with no transfer is forgotten
     load_failure_policy: str  # "recompute": D prefills a request itself when its KV cannot arrive
-    test_corrupt_transfers: bool  # test-only: flip bytes after every copy
-    test_fault_plan: str | None  # test-only: fault-injection plan file (pdserve/faults)
-    placement: PlacementConfig = PlacementConfig()  # per-request placement (connector/placement.py)
+    test_corrupt_transfers: bool  # test-only, read by the fault rig (pdserve/faults): flip bytes after every copy
+    test_fault_plan: str | None  # test-only, read by the fault rig (pdserve/faults): fault-injection plan file
+    placement: PlacementConfig = PlacementConfig()  # per-request placement (pdserve/placement/)
 
     @property
     def engine_id(self) -> str:
@@ -157,8 +157,8 @@ def parse_connector_config(
     if proxy_ip and not http_port:
         raise ConfigError("http_port is required when registering with a router (proxy_ip)")
     placement = parse_placement(extra)
-    if (placement.serve_decode or placement.eager) and _bool("read_mode", extra.get("read_mode", False)):
-        raise ConfigError("serve_decode and eager_prefill are WRITE-mode placement options: in READ mode the prefill "
+    if placement.serve_decode and _bool("read_mode", extra.get("read_mode", False)):
+        raise ConfigError("serve_decode is a WRITE-mode placement option: in READ mode the prefill "
                           "instance decides each placement itself when the request arrives")
     return ConnectorConfig(
         role=role,

@@ -8,7 +8,7 @@ Unknown keys (vllm-router adds `remote_dp_size`, `remote_tp_size`, ...) are igno
 
 READ mode with adaptive placement: P decides where a prompt is prefilled and says so to D in the
 `placement` key of its response ("remote:prefill_idle", "local:local_faster": a decision's label,
-connector/placement.py). A local one names no blocks: D prefills the prompt itself.
+pdserve/placement/decision.py). A local one names no blocks: D prefills the prompt itself.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pdserve.config import Role
-from pdserve.connector.placement import Decision, Placement
 from pdserve.control.address import PeerAddress, check_host, parse_request_id
 from pdserve.errors import ProtocolError
+from pdserve.placement.decision import Decision, Placement
 
 MAX_TRANSFER_ID_CHARS = 256
 MAX_BLOCK_IDS = 1 << 20  # far above any prompt's blocks
@@ -124,6 +124,31 @@ def parse_transfer_params(
         remote_block_ids=block_ids,
         hold_expires_at=float(expires) if expires is not None else None,
     )
+
+
+def build_transfer_params(transfer_id: str, engine_id: str, own: PeerAddress, held: "Held | None",
+                          decision: Decision | None) -> dict[str, Any]:
+    """P, READ: the kv_transfer_params P answers a prefill leg with, which vllm-router hands to the
+    decode leg (parse_transfer_params reads them there): this instance's address, and the blocks it
+    holds for D to read (`held`), or none where the prompt was left to D (`decision` local)."""
+    params: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
+                              "remote_engine_id": engine_id, "remote_host": own.host,
+                              "remote_handshake_port": own.handshake_port, "remote_notify_port": own.notify_port}
+    if held is not None:
+        params.update(remote_block_ids=list(held.block_ids), hold_expires_at=held.expires_at,
+                      prompt_hash=held.prompt_hash)
+    if decision is not None:
+        params["placement"] = decision.label
+    return params
+
+
+@dataclass(frozen=True)
+class Held:
+    """P, READ: the blocks P holds for D to read, until `expires_at` (unix time)."""
+
+    block_ids: tuple[int, ...]
+    expires_at: float
+    prompt_hash: str
 
 
 def _decision(raw: Mapping[str, Any]) -> Decision | None:

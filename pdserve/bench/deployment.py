@@ -66,7 +66,7 @@ class DeploymentRequest:
         return UpOptions(mode=self.mode, model=str(self.model_dir), port=port, prefix_caching=self.prefix_caching,
                          extra_vllm_args=self.extra_vllm_args, prefill_budget=prefill_budget,
                          decode_budget=decode_budget, serve_decode=self.budget.serve_decode,
-                         eager_prefill=self.budget.eager_prefill, slo=self.slo, log_dir=self.log_dir,
+                         slo=self.slo, log_dir=self.log_dir,
                          startup_timeout=startup_timeout_s)
 
 

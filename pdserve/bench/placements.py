@@ -23,13 +23,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from pdserve.connector.local_chunk import OVER
 from pdserve.launch.samples import parse_samples
+from pdserve.placement.chunk_size import OVER
 
 METRIC = "pdserve:placements_total"
 CHUNK_METRIC = "pdserve:local_chunk_steps_total"  # decode's steps with a local chunk, by bound=within|over
 CHUNK_PREFIX = "chunk_step:"  # its counts' labels: "chunk_step:within", "chunk_step:over"
-EAGER = "remote:eager"  # P's count of legs it started before D's word: D still decides each of those requests
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 Counts = dict[str, int]  # "placement:reason" -> decisions
@@ -58,7 +57,7 @@ def counts_of(metrics_text: str) -> Counter[str]:
         if name == METRIC:
             counts[f"{found.get('placement', '?')}:{found.get('reason', '?')}"] += int(value)
         elif name == CHUNK_METRIC:
-            counts[CHUNK_PREFIX + found.get("bound", "?")] += int(value)  # local_chunk.WITHIN / OVER
+            counts[CHUNK_PREFIX + found.get("bound", "?")] += int(value)  # chunk_size.WITHIN / OVER
     return counts
 
 
@@ -88,25 +87,21 @@ def section(rows: Sequence[tuple[str, float, Counts]]) -> list[str]:
              "Decode's `pdserve:placements_total` over each point (every request of the point, not only the "
              "scored ones), summed over seeds. Remote: prefilled on P; local: prefilled on D in chunks "
              "(static PD decides `remote:static` every time; requests P serves whole are not decode's "
-             "to place; legs P started before decode's word, `remote:eager`, are counted apart: decode "
-             "still decides each of those requests). Chunk steps over bound: decode's steps with a chunk "
+             "to place). Chunk steps over bound: decode's steps with a chunk "
              "of local prefill that ran past the bound the chunk was sized for (`max_step_ms` with "
              "streams running, the response bound), and P's steps that prefilled beside requests it "
              "serves whole and ran past `max_step_ms` (counted from 2026-12-05), of all such steps.", "",
              "| configuration | rate | decided | remote | local | chunk steps over bound | reasons (most frequent first) |",
              "|---|---|---|---|---|---|---|"]
     for config, rate, counts in rows:
-        eager = counts.get(EAGER, 0)
         over, steps = counts.get(CHUNK_PREFIX + OVER, 0), sum(n for k, n in counts.items() if k.startswith(CHUNK_PREFIX))
-        counts = {label: n for label, n in counts.items() if label != EAGER and not label.startswith(CHUNK_PREFIX)}
+        counts = {label: n for label, n in counts.items() if not label.startswith(CHUNK_PREFIX)}
         total = sum(counts.values()) or 1
         by_placement = Counter()
         for label, n in counts.items():
             by_placement[label.partition(":")[0]] += n
         share = lambda p: f"{by_placement[p]} ({by_placement[p] / total:.0%})"  # noqa: E731
         reasons = ", ".join(f"{label} {n}" for label, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-        if eager:
-            reasons += f"; prefill started {eager} legs eagerly"
         chunk = f"{over} of {steps} ({over / steps:.0%})" if steps else "—"
         lines.append(f"| {config} | {rate:g} | {sum(counts.values())} | {share('remote')} | {share('local')} | {chunk} "
                      f"| {reasons} |")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from pdserve.bench.extra import require
+from pdserve.bench.plan import BenchPlan, Point
+from pdserve.bench.records import BenchRun
+from pdserve.bench.summary import curve, records_at
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from pdserve.bench.plan import BenchPlan, Point  # noqa: E402
-from pdserve.bench.records import BenchRun  # noqa: E402
-from pdserve.bench.summary import curve, records_at  # noqa: E402
+matplotlib = require("matplotlib")
+matplotlib.use("Agg")  # before pyplot is imported
+plt = require("matplotlib.pyplot")
 
 
 def write_plots(plan: BenchPlan, runs: dict[Point, BenchRun], out_dir: Path) -> list[Path]:

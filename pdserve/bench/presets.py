@@ -18,7 +18,7 @@ audit of the first committed run):
   the default list any more), write/read over the prefill budget, adaptive (P at 512, one prompt
   per step) over whether the prefill instance also serves whole requests (``+serve``, for
   decode-heavy traffic); decode's local chunk is not tuned, it follows decode's streams
-  (local_chunk.py). ``read`` is not in the default list (``--configs`` adds it, tuned the same
+  (placement/chunk_size.py). ``read`` is not in the default list (``--configs`` adds it, tuned the same
   way): the claim measured is adaptive against plain serving and static write.
 * Interleaved: each seed is a round in which every configuration runs in a deployment of its own,
   the order rotating (BenchPlan.rounds): on these shared machines the same configuration moved by
@@ -31,7 +31,7 @@ audit of the first committed run):
   inter-chunk gap (100 ms with TTFT<500 ms or <1 s; 50 ms with TTFT<1 s), where decode smoothness
   is the objective.
 * Adaptive's decode instance keeps its streams' mean ITL under 50 ms and no step of its streams
-  over 50 ms (placement.py, local_chunk.py): the bounds of the gap50 SLO. ``adaptive@NAME`` declares
+  over 50 ms (placement/policy.py, chunk_size.py): the bounds of the gap50 SLO. ``adaptive@NAME`` declares
   the SLO NAME instead (``pdserve up --slo``, slo_targets.py): blog and tight bound the mean ITL only
   (50, 40 ms), so D prefills a prompt whole beside its streams where P's queue makes that faster, as
   plain serving does; stall and stall1s bound steps at 100 ms, gap50 at adaptive's own 50 ms, so
@@ -70,7 +70,7 @@ PRESETS: dict[str, BenchPlan] = {
         headline_rate=0.3,
         candidates=(("collocated", ("default", "256")), ("round-robin", ("default", "256")),
                     ("write", ("default", "512")), ("read", ("default", "512")),
-                    ("adaptive", ("512", "512+serve"))),  # D's chunk follows its streams (local_chunk.py)
+                    ("adaptive", ("512", "512+serve"))),  # D's chunk follows its streams (chunk_size.py)
         interleave=True,  # seed by seed: drift between deployments shifts every configuration alike
     ),
     # The product in a few minutes on the tiny model: PD (write, adaptive) against plain serving.

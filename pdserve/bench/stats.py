@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
-from scipy import stats
+
+from pdserve.bench.extra import require
+
+stats = require("scipy.stats")
 
 CONFIDENCE = 0.95
 NUM_RESAMPLES = 1000

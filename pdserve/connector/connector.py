@@ -25,11 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdserve.config import parse_connector_config
-from pdserve.connector.metadata import StepPlan, WorkerNews
+from pdserve.connector.metadata import StepPlan
 from pdserve.connector.registration import RouterRegistration
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
 from pdserve.connector.worker import PDWorker
+from pdserve.placement.inbox import WorkerNews
 
 
 def _route_logs_to_vllm() -> None:

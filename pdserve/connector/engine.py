@@ -28,13 +28,14 @@ from typing import Callable, Protocol
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.allowlist import PeerAllowList
 from pdserve.connector.layout import KvLayout
-from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, WorkerNews
-from pdserve.connector.placement_inbox import PlacementInbox
+from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec
 from pdserve.connector.peers import HandshakeResult, Peer, PeerState, PeerTable
 from pdserve.connector.transfer import Side, Transfer, TransferState
 from pdserve.control.address import PeerAddress
-from pdserve.control.messages import DecodeStatus, PrefillLoad, PrefillStarted, ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
+from pdserve.control.messages import ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
 from pdserve.errors import PDServeError
+from pdserve.placement.inbox import PlacementInbox, WorkerNews
+from pdserve.placement.messages import DecodeStatus, PrefillLoad
 from pdserve.transport.base import Direction, Transport, TransferStatus
 
 logger = logging.getLogger("pdserve.connector")
@@ -159,12 +160,7 @@ class TransferEngine:
         else:
             known = None
             self._peers.lookup(spec.peer)  # handshake D now: its blocks and our load reports need it
-        self._placement.expect(spec, known)
-
-    def announce_start(self, spec: AwaitSpec) -> None:
-        """P, adaptive placement: we started the prefill leg of `spec` before D's word
-        (eager_prefill.py); D takes that as its decision if it has not decided yet."""
-        self._send(spec.peer, PrefillStarted(spec.transfer_id))
+        self._placement.expect(spec.request_id, spec.transfer_id, known)
 
     def publish_load(self, load: PrefillLoad) -> None:
         """P: tell every decode instance we know how busy we are (rate-limited, but at once when
@@ -279,10 +275,6 @@ class TransferEngine:
         if isinstance(message, DecodeStatus):
             if self._config.role is Role.PRODUCER:
                 self._placement.on_status(message)
-            return
-        if isinstance(message, PrefillStarted):
-            if self._config.role is Role.CONSUMER:
-                self._placement.on_started(message.transfer_id)
             return
         tid = message.transfer_id
         t = self._transfers.get(tid)

@@ -8,7 +8,9 @@ step the size of a decode), caches no block (a one-token prompt fills none) and 
 vllm-router discards that answer's token (the client's tokens come from D). The request is
 changed in place, between two steps, on the scheduler's thread, only while nothing of it has
 been computed or allocated; a request of another shape (prompt embeddings, a different vLLM) is
-left alone and prefilled as under static placement, which is always safe.
+left alone and prefilled as under static placement, which is always safe. So is a request whose
+answer needs the whole prompt computed on P (`prompt_logprobs`, which vLLM's completions API sets
+for `echo` with `logprobs`): cut, it would answer with one prompt logprob for a longer prompt.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ logger = logging.getLogger("pdserve.connector")
 _warned = False
 
 
+def needs_whole_prompt(request) -> bool:
+    """Whether `request`'s answer is built from every prompt position (prompt logprobs)."""
+    return getattr(getattr(request, "sampling_params", None), "prompt_logprobs", None) is not None
+
+
 def truncate_to_one_token(request) -> bool:
     """Cut `request` (a vLLM Request waiting with nothing computed) to its first prompt token;
     False, and `request` untouched, when that cannot be done safely."""
     global _warned
+    if needs_whole_prompt(request):
+        return False
     try:
         prompt = request.prompt_token_ids
         tokens = request._all_token_ids

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import TransferMode
 from pdserve.control.address import PeerAddress
-from pdserve.control.messages import DecodeStatus, PrefillLoad
+from pdserve.placement.messages import DecodeStatus, PrefillLoad
 
 
 @dataclass(frozen=True)
@@ -76,35 +76,11 @@ class StepPlan:
     recvs: list[RecvSpec] = field(default_factory=list)
     cancels: list[CancelSpec] = field(default_factory=list)
     awaits: list[AwaitSpec] = field(default_factory=list)
-    eager: list[AwaitSpec] = field(default_factory=list)  # P, adaptive: legs started before D's word; tell D
     load: PrefillLoad | None = None  # P, adaptive: what to publish to decode instances
     status: DecodeStatus | None = None  # D, adaptive, READ: what to publish to prefill instances
     placements: list[str] = field(default_factory=list)  # D: decisions made this step ("local:local_faster")
     # its last step with a chunk beside streams (D; P with serve_decode), "within"/"over" its bound
     chunk_steps: list[str] = field(default_factory=list)
-    remote_paths: list[float] = field(default_factory=list)  # D: seconds of path of remote prompts that took their first token (remote_path.py)
+    # D: seconds of path of remote prompts that took their first token (placement/remote_path.py)
+    remote_paths: list[float] = field(default_factory=list)
     idle: bool = False  # no tokens scheduled this step: the worker may wait briefly for progress
-
-
-@dataclass
-class WorkerNews:
-    """What the worker half tells the scheduler half each step (vLLM's kv_connector_worker_meta):
-    P: placement decisions D sent (request id -> True: prefill here, False: D prefills it);
-    D: the latest load each prefill instance published, by (host, handshake port), and the
-    transfers P said it started before D's word (eager_prefill.py). P, READ: the latest status each
-    decode instance published, by (host, handshake port) (read_placement.py)."""
-
-    decided: dict[str, bool] = field(default_factory=dict)
-    loads: dict[tuple[str, int], PrefillLoad] = field(default_factory=dict)
-    started: set[str] = field(default_factory=set)
-    statuses: dict[tuple[str, int], DecodeStatus] = field(default_factory=dict)
-
-    def merge(self, other: "WorkerNews") -> "WorkerNews":
-        self.decided.update(other.decided)
-        self.loads.update(other.loads)
-        self.started |= other.started
-        self.statuses.update(other.statuses)
-        return self
-
-    def __bool__(self) -> bool:
-        return bool(self.decided or self.loads or self.started or self.statuses)

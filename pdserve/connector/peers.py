@@ -7,6 +7,12 @@ memory under the incarnation's identity, so a restarted peer (a new identity at 
 gets a new mapping and nothing queued for the old one can land in it. Addresses outside the
 allow-list are refused without a handshake; a peer nobody used for `idle_s` is forgotten.
 
+Handshakes never queue behind one another (handshakes.py): an address that nobody listens on fails
+at once, one that never answers holds a thread of its own until `handshake_timeout`, and when too
+many addresses never met are pending, another one fails at once instead of waiting. An address that
+failed is not tried again for RETRY_AFTER_S; one that completed a handshake before is always tried,
+so a peer that restarts at its address is met again whatever else is pending.
+
 A peer that answers but refuses (an incompatible KV layout) is FAILED with `refused_by` set: no KV
 can move between us until one side restarts, so transfers with it end at once, but the messages
 that let go of blocks (Release, WriteDone) still reach that incarnation, so it frees them at once too.
@@ -16,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
 
 from pdserve.connector.allowlist import PeerAllowList
+from pdserve.connector.handshakes import HandshakeThreads
 from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout
 from pdserve.control.address import PeerAddress
@@ -31,8 +38,10 @@ from pdserve.transport.nixl_auto import PeerRoute
 
 logger = logging.getLogger("pdserve.connector")
 
-RETRY_AFTER_S = 1.0
-HANDSHAKE_THREADS = 4
+RETRY_AFTER_S = 1.0  # a failed address is not handshaken again sooner
+MAX_STRANGER_HANDSHAKES = 64  # in flight at once with addresses that never completed a handshake
+MAX_KNOWN_ADDRESSES = 256  # addresses remembered as having completed a handshake
+CLOSE_DEADLINE_S = 1.0
 
 
 class PeerState(Enum):
@@ -85,7 +94,8 @@ class PeerTable:
         self._allow = allow
         self._idle_s = idle_s
         self._peers: dict[PeerAddress, Peer] = {}
-        self._pool = ThreadPoolExecutor(max_workers=HANDSHAKE_THREADS, thread_name_prefix="pdserve-handshake")
+        self._threads = HandshakeThreads(self._run, deliver, MAX_STRANGER_HANDSHAKES)
+        self._known: OrderedDict[PeerAddress, None] = OrderedDict()  # least recently met first
 
     def lookup(self, address: PeerAddress) -> Peer:
         """The peer at `address`, starting a handshake when it is unknown or failed a while ago."""
@@ -95,10 +105,9 @@ class PeerTable:
         if peer is None:
             peer = Peer(address)
             self._peers[address] = peer
-            if not self._allow.allows(address.host):
-                peer.state, peer.error, peer.failed_at = PeerState.FAILED, self._allow.refusal(address.host), time.monotonic()
-            else:
-                self._pool.submit(self._run, address)
+            refusal = self._start(address) if self._allow.allows(address.host) else self._allow.refusal(address.host)
+            if refusal:  # fail now, naming the address: what needs this peer fails instead of waiting
+                peer.state, peer.error, peer.failed_at = PeerState.FAILED, refusal, time.monotonic()
         peer.last_used = time.monotonic()
         return peer
 
@@ -111,8 +120,15 @@ class PeerTable:
         comes, the current incarnation stays attached."""
         peer = self._peers.get(address)
         if peer is not None and peer.state is PeerState.READY and not peer.refreshing:
-            peer.refreshing = True
-            self._pool.submit(self._run, address)
+            peer.refreshing = not self._start(address)
+
+    @property
+    def num_handshakes(self) -> int:
+        """Handshakes in flight now."""
+        return self._threads.num_running
+
+    def _start(self, address: PeerAddress) -> str:
+        return self._threads.start(address, known=address in self._known)
 
     def drop(self, address: PeerAddress) -> None:
         """Forget the peer at `address` and unmap its memory (its incarnation is gone)."""
@@ -120,12 +136,11 @@ class PeerTable:
         if peer is not None:
             self._detach(peer)
 
-    def _run(self, address: PeerAddress) -> None:
+    def _run(self, address: PeerAddress) -> HandshakeResult:
         try:
-            result = self._handshake(address)
-        except Exception as exc:  # a handshake thread must always report back
-            result = HandshakeResult(address, error=f"handshake with {address.host}:{address.handshake_port} failed: {exc}")
-        self._deliver(result)
+            return self._handshake(address)
+        except Exception as exc:  # noqa: BLE001 - a handshake thread must always report back
+            return HandshakeResult(address, error=f"handshake with {_where(address)} failed: {exc}")
 
     def apply(self, result: HandshakeResult) -> Peer | None:
         peer = self._peers.get(result.address)
@@ -142,6 +157,7 @@ class PeerTable:
             logger.error("pdserve: %s", result.error)
         else:
             peer.state, peer.incarnation, peer.layout = PeerState.READY, result.incarnation, result.layout
+            self._met(peer.address)
             logger.info("pdserve: attached peer %s (%s) over %s", peer.key, _where(peer.address), self._over(peer))
         return peer
 
@@ -155,7 +171,14 @@ class PeerTable:
         logger.info("pdserve: peer %s restarted: %s -> %s", _where(peer.address), peer.key, result.incarnation.identity)
         self._detach(peer)
         peer.incarnation, peer.layout = result.incarnation, result.layout
+        self._met(peer.address)
         return peer
+
+    def _met(self, address: PeerAddress) -> None:
+        self._known[address] = None
+        self._known.move_to_end(address)
+        if len(self._known) > MAX_KNOWN_ADDRESSES:
+            self._known.popitem(last=False)
 
     def _attach(self, result: HandshakeResult) -> HandshakeResult:
         if result.error:
@@ -202,8 +225,9 @@ class PeerTable:
             self._transport.detach_peer(peer.key)
 
     def close(self) -> None:
-        # A handshake still running ends by its own deadline; nobody waits for a black-hole peer.
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """No handshake starts after this; running ones are joined for up to CLOSE_DEADLINE_S
+        (closing the control client first ends them at once)."""
+        self._threads.close(CLOSE_DEADLINE_S)
         for peer in self._peers.values():
             self._detach(peer)
         self._peers.clear()

@@ -1,4 +1,5 @@
-"""vLLM general-plugin entry point: makes `"kv_connector": "PDConnector"` work by bare name."""
+"""vLLM general-plugin entry point, run in every vLLM process: makes `"kv_connector": "PDConnector"`
+work by bare name and installs pdserve's patches to vLLM (pdserve.vllm_patches)."""
 
 CONNECTOR_NAME = "PDConnector"
 
@@ -6,5 +7,8 @@ CONNECTOR_NAME = "PDConnector"
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    from pdserve.vllm_patches import install
+
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "pdserve.connector.connector", "PDConnector")
+    install()

@@ -3,7 +3,7 @@
 Registering before the OpenAI server listens would let the router send requests into a
 refused connection, so a thread first waits for our own /health, then heartbeats. A prefill
 instance with `serve_decode` registers as a decode instance too, from its worker half and only
-while its `ServeGate` is open (serve_gate.py, whole_requests.py).
+while its `ServeGate` is open (placement/serve_gate.py, whole_requests.py).
 """
 
 from __future__ import annotations

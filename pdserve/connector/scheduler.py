@@ -14,27 +14,28 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
-from pdserve.connector.chunk_costs import ChunkCosts
-from pdserve.connector.decode_load import DecodeLoad, uncomputed_prompt_tokens
-from pdserve.connector.decode_status import status_of
-from pdserve.connector.eager_prefill import EAGER_LABEL, StartedLegs, prefill_idle
 from pdserve.connector.guard import guarded
 from pdserve.connector.leg_truncation import truncate_to_one_token
-from pdserve.connector.local_chunk import MIN_CHUNK, OVER, WITHIN, chunk_tokens, threshold
-from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec, StepPlan
-from pdserve.connector.placement import AdaptivePolicy, Decision, Placement, Reason, make_policy
-from pdserve.connector.prefill_gate import PrefillGate, Verdict
-from pdserve.connector.prefill_share import PrefillShare
-from pdserve.connector.placement_inbox import PUBLISH_EVERY_S
-from pdserve.connector.prompt_digest import prompt_digest
-from pdserve.connector.read_placement import ReadPlacement, next_step_seconds, peer_key
-from pdserve.connector.serve_gate import STATUS_EVERY_S
-from pdserve.connector.step_costs import StepCosts
+from pdserve.connector.legs.decode_receive import DecodeReceive
+from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, SendSpec, StepPlan
+from pdserve.connector.prompt_digest import request_digest
+from pdserve.connector.siblings import Family, Siblings
 from pdserve.connector.whole_requests import SERVED_WHOLE, PromptTurns, addressed_to_self
 from pdserve.control.address import PeerAddress
-from pdserve.control.messages import MAX_COUNTED_TRANSFERS, MAX_PREFILL_PEERS, DecodeStatus, PrefillLoad
 from pdserve.errors import ProtocolError
-from pdserve.params import TransferParams, parse_transfer_params
+from pdserve.params import Held, TransferParams, build_transfer_params, parse_transfer_params
+from pdserve.placement.chunk_costs import ChunkCosts
+from pdserve.placement.chunk_size import MIN_CHUNK, OVER, WITHIN, chunk_tokens, threshold
+from pdserve.placement.decision import Decision, Placement, Reason
+from pdserve.placement.decode_load import DecodeLoad, uncomputed_prompt_tokens
+from pdserve.placement.inbox import PUBLISH_EVERY_S
+from pdserve.placement.messages import MAX_COUNTED_TRANSFERS, DecodeStatus, PrefillLoad
+from pdserve.placement.policy import AdaptivePolicy, make_policy
+from pdserve.placement.prefill_gate import PrefillGate, Verdict
+from pdserve.placement.prefill_share import PrefillShare
+from pdserve.placement.read_mode import ReadPlacement, next_step_seconds, peer_key
+from pdserve.placement.serve_gate import STATUS_EVERY_S
+from pdserve.placement.step_costs import StepCosts
 
 logger = logging.getLogger("pdserve.connector")
 PLACEMENT_LOG_EVERY_S = 5.0
@@ -84,23 +85,15 @@ class PDScheduler:
         self._publishes_status = adaptive and config.role is Role.CONSUMER
         self._status_every_s = STATUS_EVERY_S if write else PUBLISH_EVERY_S
         self._next_status = 0.0
-        self._placed_local: dict[str, int] = {}  # READ: per prefill instance, the prompts it left us that we took
         self._decode_load = DecodeLoad(budget, config.placement.stream_itl_s, chunk=chunk)
-        self._decisions: dict[str, Decision] = {}
-        self._started = StartedLegs(config.defer_timeout)  # transfers P started before our word
-        self._next_placement_log = 0.0
+        self._decode = (DecodeReceive(config, block_size, self._policy, self._decode_load, lambda: self._meta,
+                                      lambda: self._chunk_limit) if config.role is Role.CONSUMER else None)
         # P
         self._pending_sends: dict[str, _PendingSend] = {}  # WRITE: prompt not yet complete
         self._sending: dict[str, TransferParams] = {}  # WRITE: SendSpec emitted, request still running
         self._preempted: set[str] = set()  # WRITE: send cancelled by a preemption; no second send
         self._held: set[str] = set()  # returned delay_free=True; waiting for finished_sending
-        # D
-        self._recv_params: dict[str, TransferParams | ProtocolError] = {}
-        self._rejected: dict[str, TransferParams] = {}  # READ: params that parsed but do not fit the request
-        self._receiving: set[str] = set()  # RecvSpec emitted
-        self._received: set[str] = set()  # the worker reported the transfer over
-        self._cancelled: set[str] = set()
-        self._awaiting_turn: set[str] = set()  # local prompts waiting for the one D prefills now (_queue_local)
+        self._siblings = Siblings()  # the legs of requests with n > 1, which share a transfer (siblings.py)
         self._meta = StepPlan()
 
     # ---- shared ----------------------------------------------------------------------------
@@ -111,8 +104,17 @@ class PDScheduler:
     def _num_prompt_blocks(self, request) -> int:
         return math.ceil(request.num_prompt_tokens / self._block_size)
 
-    @guarded(StepPlan)
     def build_connector_meta(self, scheduler_output) -> StepPlan:
+        """The step's plan; what the hooks planned goes out even if planning the rest failed."""
+        try:
+            self._plan_step(scheduler_output)
+        except Exception:  # noqa: BLE001 - the process boundary with vLLM
+            logger.exception("pdserve: internal error in build_connector_meta (sending the plan as far as it got)")
+        meta, self._meta = self._meta, StepPlan()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return meta
+
+    def _plan_step(self, scheduler_output) -> None:
         if self._config.role is Role.PRODUCER:
             self._cancel_preempted_sends(getattr(scheduler_output, "preempted_req_ids", None) or ())
             self._emit_due_sends(scheduler_output.num_scheduled_tokens)
@@ -125,9 +127,6 @@ class PDScheduler:
             self._read.end_pass()
         if self._publishes_status:
             self._meta.status = self._decode_status()
-        meta, self._meta = self._meta, StepPlan()
-        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
-        return meta
 
     @guarded()
     def update_connector_output(self, connector_output, news=None) -> None:
@@ -136,8 +135,7 @@ class PDScheduler:
             self._held.discard(request_id)
         landed = 0
         for request_id in connector_output.finished_recving or ():
-            if request_id in self._receiving and request_id not in self._received:
-                self._received.add(request_id)
+            if self._decode is not None and self._decode.landed(request_id):
                 landed += 1
             self._decode_load.landed(request_id)
         if news is not None:
@@ -146,8 +144,6 @@ class PDScheduler:
             self._decode_load.on_loads(news.loads)
             if news.statuses and self._read is not None:
                 self._read.on_statuses(news.statuses)
-            if news.started:
-                self._started.add(news.started)
         if landed:
             self._shorten_for_first_tokens(landed)
 
@@ -172,7 +168,7 @@ class PDScheduler:
 
     def _apply_chunk(self) -> None:
         """Adaptive: the next step's limit on one prompt's prefill tokens, from the streams of this
-        one (local_chunk.py), on an instance that decodes: D (its local prompts never stretch a step
+        one (placement/chunk_size.py), on an instance that decodes: D (its local prompts never stretch a step
         past max_step_ms) and, with serve_decode, P (the prompts it prefills never stretch a step of
         the requests it serves whole past max_step_ms)."""
         if self._set_chunk is None or not isinstance(self._policy, AdaptivePolicy):
@@ -196,7 +192,7 @@ class PDScheduler:
         """D, adaptive: requests whose KV just landed take their first token in the next step, so a
         local chunk in it is sized to a stream's step (`landing_step_s`), not the response bound:
         their TTFT is P's prefill plus that step. Set after the step's output, before vLLM
-        schedules the next one (local_chunk.py)."""
+        schedules the next one (placement/chunk_size.py)."""
         if self._set_chunk is None or not isinstance(self._policy, AdaptivePolicy) or \
                 self._config.role is not Role.CONSUMER:
             return
@@ -244,8 +240,39 @@ class PDScheduler:
     @guarded()
     def on_new_request(self, request) -> None:
         """vLLM added a request to its waiting queue. P, READ, adaptive: place its prompt now."""
+        if self._follows(request) is not None:
+            return
         if self._read is not None:
             self._place_read_leg(request)
+
+    def _follows(self, request) -> Family | None:
+        """The family whose leader `request` follows (siblings.py), joining it on first sight; a
+        follower on P is cut to one token then (it moves nothing)."""
+        rid = request.request_id
+        if rid in self._siblings:
+            return self._siblings.follower(rid)
+        try:
+            params = parse_transfer_params(request.kv_transfer_params, rid, self._config.role)
+        except ProtocolError:
+            return None  # the hooks name the problem
+        if params is None or (self._config.role is Role.PRODUCER and addressed_to_self(params, self._config)):
+            return None
+        family = self._siblings.join(request, params.transfer_id)
+        if family is not None and self._config.role is Role.PRODUCER:
+            truncate_to_one_token(request)
+        return family
+
+    def _follower_turn(self, family: Family, request) -> tuple[int | None, bool]:
+        """Whether a follower may run now. P, READ: after its leader ended, whose kv_transfer_params
+        it answers with. D: once its leader's prompt is in D's cache, from which it takes it."""
+        if self._config.role is Role.PRODUCER:
+            ready = family.leader_done or self._config.mode is TransferMode.WRITE
+        else:
+            leader = family.leader
+            rid = leader.request_id
+            computed = not self._decode.receiving(rid) and leader.num_computed_tokens >= leader.num_prompt_tokens
+            ready = family.leader_done or self._decode.received(rid) or computed
+        return (0, False) if ready else (None, False)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._meta.cancels or self._meta.holds)
@@ -253,53 +280,22 @@ class PDScheduler:
     @guarded(lambda: (0, False))
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
+        joined = rid in self._siblings
+        family = self._follows(request)
+        if family is not None:
+            # P: a follower cut just now was looked up in vLLM's prefix cache as the whole prompt
+            return (None, False) if not joined and self._config.role is Role.PRODUCER else \
+                self._follower_turn(family, request)
         if self._config.role is Role.PRODUCER:
             if self._read is not None:
                 return (0, False) if self._read.admit(rid) else (None, False)
             return self._gate_prefill(request, num_computed_tokens)
-        if rid in self._awaiting_turn:
-            return self._take_turn(rid)
-        if rid in self._receiving or rid in self._cancelled:
-            return 0, False
-        params = self._consumer_params(request)
-        if params is None:
-            return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
-        if count <= 0:
-            return 0, False
-        if isinstance(params, TransferParams):
-            if self._config.mode is TransferMode.READ:  # P placed it (read_placement.py)
-                decision = params.decision or Decision(Placement.REMOTE, Reason.STATIC)
-            elif params.transfer_id in self._started and isinstance(self._policy, AdaptivePolicy):
-                decision = Decision(Placement.REMOTE, Reason.PREFILL_STARTED)
-            else:
-                decision = self._policy.decide(count, self._decode_load.view(params.peer),
-                                               self._decode_load.load_of(params.peer))
-            self._decisions[rid] = decision  # counted once blocks are allocated (vLLM may ask again)
-            if decision.placement is Placement.LOCAL:
-                return self._queue_local(request)
-        return count, True
-
-    def _queue_local(self, request) -> tuple[int | None, bool]:
-        """D prefills `request` itself: now if no prompt of its own is still being prefilled,
-        otherwise after those (decode_load.py's `local_turn`). A prompt that waits is told to P at
-        once (its leg ends without running), holds no blocks, and counts in D's local backlog."""
-        if not self._decode_load.local_prompts():
-            return 0, False  # tracked once blocks are allocated (_place)
-        rid = request.request_id
-        self._decode_load.add_local(request)
-        self._awaiting_turn.add(rid)
-        self._release_leg(rid, self._recv_params.get(rid))
-        return self._take_turn(rid)
-
-    def _take_turn(self, rid: str) -> tuple[int | None, bool]:
-        if not self._decode_load.local_turn(rid):
-            return None, False  # vLLM asks again next step
-        self._awaiting_turn.discard(rid)
-        return 0, False
+        return self._decode.matched_tokens(request, num_computed_tokens)
 
     @guarded()
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self._follows(request) is not None:
+            return  # moves nothing
         if self._config.role is Role.PRODUCER:
             if self._read is not None:
                 self._read.admitted(request.request_id)
@@ -307,24 +303,34 @@ class PDScheduler:
                 return  # a one-token leg: nothing to send
             self._track_send(request)
         else:
-            self._place(request, num_external_tokens)
-            self._start_recv(request, blocks, num_external_tokens)
+            self._decode.allocated(request, blocks, num_external_tokens)
 
     @guarded(lambda: (False, None))
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._config.role is Role.CONSUMER:
-            self._finish_recv(request)
-            return False, None
-        if self._config.mode is TransferMode.WRITE:
-            return self._finish_write_send(request)
-        return self._finish_read_send(request, block_ids)
+        rid = request.request_id
+        family = self._siblings.follower(rid)
+        if family is not None:
+            self._siblings.leave(rid)
+            answer = family.answer if self._config.role is Role.PRODUCER else None
+            return False, dict(answer) if answer is not None else None
+        held, answer = False, None
+        try:
+            if self._config.role is Role.CONSUMER:
+                self._decode.finished(request)
+            elif self._config.mode is TransferMode.WRITE:
+                held, answer = self._finish_write_send(request)
+            else:
+                held, answer = self._finish_read_send(request, block_ids)
+        finally:  # its followers must not wait for a leader that failed
+            self._siblings.leader_finished(rid, answer)
+            self._siblings.leave(rid)
+        return held, answer
 
     # ---- P ---------------------------------------------------------------------------------
 
     def _gate_prefill(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Adaptive placement: hold a prefill leg until D decided, unless P has nothing else to
-        prefill (eager_prefill.py); one D prefills itself has been cut to a one-token prompt
-        (leg_truncation.py) and runs as that."""
+        """Adaptive placement: hold a prefill leg until D decided; one D prefills itself has been
+        cut to a one-token prompt (leg_truncation.py) and runs as that."""
         if self._gate is None:
             return 0, False
         rid = request.request_id
@@ -337,6 +343,7 @@ class PDScheduler:
         if params is None:  # not a prefill leg: a request served whole here (serve_decode, or sent to P
             self._whole[rid] = request  # directly); its prompt is in P's queue like an accepted leg's
             return self._take_prompt_turn(request)
+        timed_out = self._gate.num_timed_out
         verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK and addressed_to_self(params, self._config):
             # its decode leg was sent here too (serve_decode) and is served whole: drop this one. vLLM
@@ -348,14 +355,11 @@ class PDScheduler:
                 self._meta.placements.append(SERVED_WHOLE)
                 return None, False
             verdict = self._gate.verdict(rid)
-        if (verdict is Verdict.ASK and self._config.placement.eager
-                and prefill_idle(self._accepted, self._whole) and self._gate.start(rid)):
-            self._meta.eager.append(AwaitSpec(rid, params.transfer_id, params.peer))
-            self._meta.placements.append(EAGER_LABEL)
-            verdict = Verdict.PREFILL
         if verdict is Verdict.ASK:
             self._meta.awaits.append(AwaitSpec(rid, params.transfer_id, params.peer))
             self._legs[rid] = request
+        elif self._gate.num_timed_out > timed_out:  # heard nothing from D in wait_s (on P's /metrics)
+            self._meta.placements.append(Decision(Placement.REMOTE, Reason.NO_WORD).label)
         if verdict in (Verdict.ASK, Verdict.WAIT):
             return None, False
         self._legs.pop(rid, None)
@@ -373,7 +377,7 @@ class PDScheduler:
         return None, False  # vLLM asks again next step
 
     def _place_read_leg(self, request) -> None:
-        """READ: decide where this leg's prompt is prefilled (read_placement.py). One left to D is cut
+        """READ: decide where this leg's prompt is prefilled (placement/read_mode.py). One left to D is cut
         to its first token now, while nothing of it is computed or allocated."""
         rid = request.request_id
         try:
@@ -443,12 +447,18 @@ class PDScheduler:
             scheduled = num_scheduled_tokens.get(rid, 0)
             if not scheduled or request.num_computed_tokens + scheduled < request.num_prompt_tokens:
                 continue
-            block_ids = self._kv_cache_manager.get_blocks(rid).get_block_ids()[0]
-            self._meta.sends.append(
-                SendSpec(rid, pending.params.transfer_id, pending.params.peer,
-                         tuple(block_ids[: self._num_prompt_blocks(request)]), prompt_digest(request.prompt_token_ids))
-            )
             del self._pending_sends[rid]
+            try:
+                block_ids = self._kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+                send = SendSpec(rid, pending.params.transfer_id, pending.params.peer,
+                                tuple(block_ids[: self._num_prompt_blocks(request)]), request_digest(request))
+            except Exception as exc:  # noqa: BLE001 - this request's fault or not, the others' sends go on
+                log = logger.error if isinstance(exc, ProtocolError) else logger.exception
+                log("pdserve: request %s: cannot send its KV, decode recomputes it: %s", rid, exc)
+                self._meta.cancels.append(CancelSpec(pending.params.transfer_id, pending.params.peer,
+                                                     f"prefill cannot send this request's KV: {exc}"))
+                continue
+            self._meta.sends.append(send)
             self._sending[rid] = pending.params
 
     def _cancel_preempted_sends(self, preempted_req_ids) -> None:
@@ -495,181 +505,29 @@ class PDScheduler:
         except ProtocolError as exc:
             logger.error("pdserve: request %s: bad kv_transfer_params, not holding its KV: %s", rid, exc)
             return False, None
-        address = {"remote_engine_id": self._config.engine_id, "remote_host": self._config.host_ip,
-                   "remote_handshake_port": self._config.handshake_port,
-                   "remote_notify_port": self._config.notify_port}
-        placement = {"placement": decision.label} if decision is not None else {}
+        own = PeerAddress(self._config.host_ip, self._config.handshake_port, self._config.notify_port)
         if decision is not None and decision.placement is Placement.LOCAL:
             if params is None or not _prefill_complete(request):
                 return False, None
             # a one-token leg: nothing is held; D prefills the prompt itself
-            return False, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": params.transfer_id,
-                           **address, **placement}
+            return False, build_transfer_params(params.transfer_id, self._config.engine_id, own, None, decision)
         num_blocks = self._num_prompt_blocks(request)
         if params is None or len(block_ids) < num_blocks or not _prefill_complete(request):
             return False, None
-        block_ids = list(block_ids[:num_blocks])
-        digest = prompt_digest(request.prompt_token_ids)
-        expires_at = time.time() + self._config.defer_timeout
+        held = Held(tuple(block_ids[:num_blocks]), time.time() + self._config.defer_timeout, request_digest(request))
         self._held.add(rid)
-        self._meta.holds.append(HoldSpec(rid, params.transfer_id, tuple(block_ids), expires_at, digest))
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_id": params.transfer_id,
-            **address,
-            "remote_block_ids": list(block_ids),
-            "hold_expires_at": expires_at,
-            "prompt_hash": digest,
-            **placement,
-        }
-
-    # ---- D ---------------------------------------------------------------------------------
-
-    def _place(self, request, num_external_tokens: int) -> None:
-        """Count the decision that took effect and track the load it adds."""
-        decision = self._decisions.pop(request.request_id, None)
-        params = self._recv_params.get(request.request_id)
-        if isinstance(params, TransferParams):
-            self._started.forget(params.transfer_id)
-        if decision is None or not isinstance(params, TransferParams) or request.request_id in self._receiving:
-            return
-        self._meta.placements.append(decision.label)
-        self._log_placement(decision, params)
-        if params.local:
-            self._count_placed_local(params.peer)
-        if num_external_tokens == 0:
-            self._decode_load.add_local(request)
-        else:
-            self._decode_load.add_remote(request.request_id, params.peer, num_external_tokens, params.transfer_id,
-                                         decision.compute_s)
-
-    def _consumer_params(self, request) -> TransferParams | ProtocolError | None:
-        rid = request.request_id
-        if rid not in self._recv_params:
-            try:
-                params = parse_transfer_params(request.kv_transfer_params, rid, Role.CONSUMER)
-                if params is not None:
-                    params.require_peer()
-                    if self._config.mode is TransferMode.READ and not params.local:
-                        try:
-                            self._check_read_params(request, params)
-                        except ProtocolError:
-                            self._rejected[rid] = params  # P holds KV under them: release it
-                            raise
-            except ProtocolError as exc:
-                params = exc
-            if params is None:
-                return None
-            self._recv_params[rid] = params
-        return self._recv_params[rid]
-
-    def _check_read_params(self, request, params: TransferParams) -> None:
-        if not params.remote_block_ids:
-            raise ProtocolError("kv_transfer_params.remote_block_ids is missing: in READ mode D needs the "
-                                "prefill response's kv_transfer_params")
-        if len(params.remote_block_ids) != self._num_prompt_blocks(request):
-            raise ProtocolError(f"kv_transfer_params.remote_block_ids names {len(params.remote_block_ids)} blocks; "
-                                f"this prompt needs {self._num_prompt_blocks(request)}")
-        if params.prompt_hash != prompt_digest(request.prompt_token_ids):
-            raise ProtocolError("kv_transfer_params.prompt_hash is missing or names another prompt than this "
-                                "request's: the prefill computed different tokens")
-
-    def _start_recv(self, request, blocks, num_external_tokens: int) -> None:
-        rid = request.request_id
-        params = self._recv_params.get(rid)
-        if params is None or rid in self._receiving or rid in self._cancelled:
-            return
-        if num_external_tokens == 0:
-            self._release_leg(rid, params)
-            return
-        block_ids = blocks.get_block_ids()[0][: self._num_prompt_blocks(request)]
-        first_block = (request.num_prompt_tokens - num_external_tokens) // self._block_size
-        self._receiving.add(rid)
-        if isinstance(params, ProtocolError):
-            self._meta.recvs.append(RecvSpec(rid, "", self._config.mode, None, tuple(block_ids),
-                                             first_block, None, None, error=str(params)))
-            self._cancel_recv(rid, f"decode rejected the prefill's kv_transfer_params: {params}")
-            return
-        self._meta.recvs.append(
-            RecvSpec(rid, params.transfer_id, self._config.mode, params.peer, tuple(block_ids),
-                     first_block, params.remote_block_ids, params.hold_expires_at,
-                     prompt_digest(request.prompt_token_ids))
-        )
-
-    def _release_leg(self, rid: str, params) -> None:
-        """D prefills `rid` itself: P is told, unless P left it to us (READ) and holds nothing."""
-        if isinstance(params, TransferParams) and params.local:
-            self._cancelled.add(rid)
-        else:
-            self._cancel_recv(rid, "decode computes this prompt itself")
-
-    def _cancel_recv(self, rid: str, reason: str) -> None:
-        params = self._recv_params.get(rid)
-        if isinstance(params, ProtocolError):
-            params = self._rejected.get(rid)
-        self._cancelled.add(rid)
-        if isinstance(params, TransferParams):
-            self._meta.cancels.append(CancelSpec(params.transfer_id, params.peer, reason))
-
-    def _count_placed_local(self, prefill: PeerAddress) -> None:
-        """READ: one more prompt `prefill` left to us taken in (read_placement.py counts the rest as
-        on their way); the least recently counted instance is forgotten beyond MAX_PREFILL_PEERS."""
-        key = peer_key(prefill.host, prefill.handshake_port)
-        self._placed_local[key] = self._placed_local.pop(key, 0) + 1
-        while len(self._placed_local) > MAX_PREFILL_PEERS:
-            del self._placed_local[next(iter(self._placed_local))]
+        self._meta.holds.append(HoldSpec(rid, params.transfer_id, held.block_ids, held.expires_at, held.prompt_hash))
+        return True, build_transfer_params(params.transfer_id, self._config.engine_id, own, held, decision)
 
     def _decode_status(self) -> DecodeStatus | None:
-        """READ: our side of P's placement decisions, every PUBLISH_EVERY_S (decode_status.py).
+        """READ: our side of P's placement decisions, every PUBLISH_EVERY_S (placement/status_view.py).
         WRITE: how loaded our streams are, for a P that serves whole requests while they are
         (serve_gate.py), every STATUS_EVERY_S."""
         now = time.monotonic()
         if now < self._next_status:
             return None
         self._next_status = now + self._status_every_s
-        return status_of(self._decode_load.view(None), self._config.host_ip, self._config.handshake_port,
-                         time.time(), self._placed_local)
-
-    def _log_placement(self, decision: Decision, params: TransferParams) -> None:
-        """Every PLACEMENT_LOG_EVERY_S: the decision just taken and what it was based on."""
-        now = time.monotonic()
-        if now < self._next_placement_log or not self._config.placement.adaptive:
-            return
-        self._next_placement_log = now + PLACEMENT_LOG_EVERY_S
-        view = self._decode_load.view(params.peer)
-        fmt = lambda v: "-" if v is None else f"{1000 * v:.0f} ms"
-        logger.info("pdserve: placement %s (local %s, remote %s, path %s); decode: %d running, %d backlog tokens, "
-                    "chunk %s, mean ITL %s over the last %.0f-token stream, costs %s; prefill %s:%d: %s", decision.label,
-                    fmt(decision.ttft_local_s), fmt(decision.ttft_remote_s), fmt(view.remote_path_s),
-                    view.running_decodes,
-                    view.local_backlog_tokens, self._chunk_limit, fmt(view.recent_itl_s), view.stream_tokens,
-                    view.costs, params.peer.host,
-                    params.peer.handshake_port, self._decode_load.load_of(params.peer))
-
-    def _finish_recv(self, request) -> None:
-        rid = request.request_id
-        self._decode_load.forget(rid)
-        self._decode_load.on_finished(getattr(request, "num_output_tokens", 0))
-        self._decisions.pop(rid, None)
-        if isinstance(self._recv_params.get(rid), TransferParams):
-            self._started.forget(self._recv_params[rid].transfer_id)
-        if rid not in self._recv_params:  # aborted before it was ever scheduled: P may hold its KV
-            self._consumer_params(request)
-        params = self._recv_params.get(rid)
-        if isinstance(params, TransferParams) and params.local:
-            self._cancelled.add(rid)  # READ, left to us: P holds nothing of it
-        if rid in self._recv_params and rid not in self._cancelled:
-            if rid not in self._receiving:
-                self._cancel_recv(rid, "request ended before decode allocated its blocks")
-            elif rid not in self._received:
-                self._cancel_recv(rid, "request ended while its KV was on the way")
-        self._recv_params.pop(rid, None)
-        self._rejected.pop(rid, None)
-        self._receiving.discard(rid)
-        self._received.discard(rid)
-        self._cancelled.discard(rid)
-        self._awaiting_turn.discard(rid)
+        return self._decode.status()
 
 
 def _prefill_complete(request) -> bool:

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from pdserve.connector.engine import TransferStats
-from pdserve.connector.local_chunk import OVER, WITHIN
+from pdserve.placement.chunk_size import OVER, WITHIN
 
 # What take_stats sends: the engine's TransferStats fields plus what the worker counts itself.
 _EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": [],
@@ -72,21 +72,20 @@ class PDPromMetrics(KVConnectorPromMetrics):
     rejected/fenced/refused/recomputed counts. Histograms, one observation per completed transfer:
     `pdserve:kv_transfer_duration_seconds` (announce/hold to completion) and
     `pdserve:kv_transfer_size_bytes`; one per answered handshake this instance started:
-    `pdserve:kv_handshake_duration_seconds`. Placement (connector/placement.py): on D,
+    `pdserve:kv_handshake_duration_seconds`. Placement (pdserve/placement/): on D,
     `pdserve:placements_total{placement=local|remote, reason=...}`, one per decision; on P,
-    `pdserve:prefill_queued_tokens`, the prompt tokens it last published as queued,
-    `pdserve:placements_total{placement="remote",reason="eager"}`, one per leg it started before
-    D's word (eager_prefill.py), and, with `serve_decode`,
-    `pdserve:placements_total{placement="whole",reason="serve_decode"}`, one per request it served
-    whole (whole_requests.py), and `pdserve:serving_decode`, 1 while it offers itself to the router
-    as a decode instance (serve_gate.py; both gauges as of P's last step), and
-    `pdserve:local_chunk_steps_total{bound=within|over}`, one per step that prefilled beside
-    streams of its own, by whether it kept `max_step_ms` (chunk_costs.py). On an adaptive D,
-    `pdserve:local_chunk_steps_total{bound=within|over}`, one per step with a local chunk, by whether
-    it kept the bound its chunk was sized for (`max_step_ms` with streams running, the response
-    bound; local_chunk.py), and `pdserve:remote_path_seconds`, one observation per prompt it sent to
-    P with an estimate: seconds from the decision to its first token beyond the P compute the
-    estimate assumed (remote_path.py; its median is the path of D's next remote estimates)."""
+    `pdserve:prefill_queued_tokens`, the prompt tokens it last published as queued, and, with
+    `serve_decode`, `pdserve:placements_total{placement="whole",reason="serve_decode"}`, one per
+    request it served whole (whole_requests.py), and `pdserve:serving_decode`, 1 while it offers
+    itself to the router as a decode instance (placement/serve_gate.py; both gauges as of P's last
+    step), and `pdserve:local_chunk_steps_total{bound=within|over}`, one per step that prefilled
+    beside streams of its own, by whether it kept `max_step_ms` (placement/chunk_costs.py). On an
+    adaptive D, `pdserve:local_chunk_steps_total{bound=within|over}`, one per step with a local
+    chunk, by whether it kept the bound its chunk was sized for (`max_step_ms` with streams
+    running, the response bound; placement/chunk_size.py), and `pdserve:remote_path_seconds`, one
+    observation per prompt it sent to P with an estimate: seconds from the decision to its first
+    token beyond the P compute the estimate assumed (placement/remote_path.py; its median is the
+    path of D's next remote estimates)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)

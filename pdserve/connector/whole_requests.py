@@ -1,7 +1,7 @@
 """Whole requests on P: under adaptive placement with `serve_decode`, P serves some requests itself.
 
 Where decode is the bottleneck (decode-heavy traffic), P's spare capacity is wasted as long as it
-only prefills. With `serve_decode`, while D's streams are loaded (serve_gate.py), P registers
+only prefills. With `serve_decode`, while D's streams are loaded (placement/serve_gate.py), P registers
 with vllm-router as a decode instance too (one process may register as both, registration.py),
 so the router sends it a share of the decode legs. Such a request's two legs both land on P, and
 each names P as the other's instance:
@@ -13,12 +13,10 @@ each names P as the other's instance:
 
 Which leg arrives first does not matter: each is handled on its own. While requests served whole
 decode on P, P limits each step's prompt tokens (its own and D's legs) with the chunk D uses for its
-local prompts (local_chunk.py, applied by PDScheduler), so its own streams see no gap longer than
+local prompts (placement/chunk_size.py, applied by PDScheduler), so its own streams see no gap longer than
 max_step_ms. vLLM applies that limit to each prompt of a step, and only a max-num-batched-tokens
 budget bounds their sum, so while P decodes streams it computes one prompt at a time (`PromptTurns`),
-as D does its local ones. (In a variant where P served whole requests from the start, tried and not
-adopted, prompts admitted together ran 512-token steps of ~196 ms past a 100 ms bound:
-`benchmarks/serve-always-intel/`.) Free of vLLM.
+as D does its local ones: prompts admitted together would run steps far past the bound. Free of vLLM.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.config import ConnectorConfig
-from pdserve.connector.decode_load import uncomputed_prompt_tokens
 from pdserve.params import TransferParams
+from pdserve.placement.decode_load import uncomputed_prompt_tokens
 
 SERVED_WHOLE = "whole:serve_decode"  # placement label of a request P served whole
 

@@ -27,17 +27,17 @@ from pdserve.connector.layout import KvLayout, LayerPlacement, check_compatible,
 from pdserve.connector.metadata import StepPlan
 from pdserve.connector.peers import HandshakeResult
 from pdserve.connector.registration import RouterRegistration
-from pdserve.connector.serve_gate import ServeGate
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
 from pdserve.control.endpoint import Client, Server
-from pdserve.control.messages import (DecodeStatus, HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong,
-                                      PrefillLoad, PrefillStarted, ReadAck, ReadDone, Release, RemoteBlocks, WriteDone)
+from pdserve.control.messages import (HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong, ReadAck, ReadDone,
+                                      Release, RemoteBlocks, WriteDone)
 from pdserve.control.secret import load_secret
 from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
-from pdserve.faults import FaultPlan
+from pdserve.placement.messages import DecodeStatus, PrefillLoad
+from pdserve.placement.serve_gate import ServeGate
+from pdserve.rigs import attach_rig
 from pdserve.transport.base import RegionDescriptor
-from pdserve.transport.corrupt import CorruptingTransport
 from pdserve.transport.nixl_auto import PeerRoute, build_transport
 from pdserve.transport.nixl_host import HostClaim, HostProof, verify
 from pdserve.transport.shared_segment import sweep_stale_segments
@@ -48,7 +48,7 @@ logger = logging.getLogger("pdserve.connector")
 
 IDLE_WAIT_S = 0.002  # an empty engine step waits this long for transfer progress
 # what the engine handles (every message but the handshake's and the liveness ping's)
-TRANSFER_MESSAGES = (RemoteBlocks, WriteDone, Release, ReadDone, ReadAck, PrefillLoad, PrefillStarted, DecodeStatus)
+TRANSFER_MESSAGES = (RemoteBlocks, WriteDone, Release, ReadDone, ReadAck, PrefillLoad, DecodeStatus)
 
 
 class PDWorker:
@@ -58,11 +58,9 @@ class PDWorker:
         self.identity = f"{config.engine_id}/{os.getpid()}-{self._token}"
         self.incarnation = Incarnation.this_process(self.identity)
         self._codec = Codec(load_secret(config.secret_file), self.identity)
-        self._faults = FaultPlan.load(config.test_fault_plan, config.role.value)
-        shm = ShmTransport()
-        self._faults.install_copy_hook(shm)
-        self._transport = build_transport(config.transport, CorruptingTransport(shm) if config.test_corrupt_transfers
-                                          else shm, self.identity, config.transfer_timeout)
+        self._rig = attach_rig(config)  # a test rig's hooks (pdserve/rigs.py); Rig() changes nothing
+        self._transport = build_transport(config.transport, self._rig.wrap_transport(ShmTransport()), self.identity,
+                                          config.transfer_timeout)
         self._host_proof = HostProof(self._token)
         self._client = Client(self._codec)
         self._model_fingerprint = model_fingerprint
@@ -158,7 +156,7 @@ class PDWorker:
         if isinstance(message, Ping):
             return Pong()
         if isinstance(message, TRANSFER_MESSAGES):
-            self._faults.at(f"receive:{message.TAG}")
+            self._rig.at(f"receive:{message.TAG}")
             if self._serve_gate is not None and isinstance(message, DecodeStatus):
                 self._serve_gate.on_status(message)
             self._engine.on_message(envelope.sender, message)
@@ -205,7 +203,7 @@ class PDWorker:
                 logger.error("pdserve: cannot notify %s:%d: %s", address.host, address.notify_port, exc)
                 return False
 
-        return self._faults.outgoing(message, send)
+        return self._rig.outgoing(message, send)
 
     def forget(self, address: PeerAddress) -> None:
         self._client.forget(address.host, address.notify_port)
@@ -232,8 +230,6 @@ class PDWorker:
             engine.add_send(spec)
         for spec in meta.awaits:
             engine.await_decision(spec)
-        for spec in meta.eager:
-            engine.announce_start(spec)
         if meta.load is not None:
             engine.publish_load(meta.load)
             if self._serve_gate is not None:
@@ -255,7 +251,7 @@ class PDWorker:
         if self._step_sends and index is not None:  # a layer without KV cache of ours has nothing to send
             self._engine.pump()
             self._engine.layer_ready(index)
-            self._faults.at(f"after_layer:{index}")
+            self._rig.at(f"after_layer:{index}")
 
     @guarded()
     def wait_for_save(self) -> None:
@@ -319,9 +315,9 @@ class PDWorker:
         for server in self._servers:
             server.close()
         self._servers = []
+        self._client.close()  # first: it ends the handshakes in flight, which the engine's close joins
         if self._engine is not None:
             self._engine.close()
-        self._client.close()
         self._transport.close()
         self._host_proof.close()
         for segment in self._segments:

@@ -8,7 +8,9 @@ request's sender. Every socket that receives refuses frames above the codec's MA
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import logging
 import threading
 import time
@@ -32,6 +34,7 @@ _POLL_MS = 50
 _JOIN_DEADLINE_S = 2.0
 _SEND_HWM = 1000
 _LINGER_MS = 200
+_exchanges = itertools.count()  # names each request's connection monitor
 
 
 def tcp_endpoint(host: str, port: int) -> str:
@@ -190,16 +193,18 @@ class Client:
     def exchange(self, host: str, port: int, msg, timeout_s: float, recipient: str = "") -> Envelope:
         """Send `msg` (addressed to `recipient`, see Codec.encode) and return the reply's envelope.
 
-        Raises HandshakeError when no reply arrives within `timeout_s`, ProtocolError or
-        AuthenticationError when the reply does not decode (FencedError when it is addressed to
-        someone else). A reply bigger than MAX_FRAME_BYTES is never buffered: ZMQ drops the
-        connection, and the request times out.
+        Raises HandshakeError when no reply arrives within `timeout_s`, or at once when the
+        connection is refused (nothing listens there); ProtocolError or AuthenticationError when
+        the reply does not decode (FencedError when it is addressed to someone else). A reply
+        bigger than MAX_FRAME_BYTES is never buffered: ZMQ drops the connection, and the request
+        times out. `close()` ends a request in flight at once.
         """
         frame = self.codec.encode(msg, recipient)
         with self._lock:
             if self._closed:
                 raise HandshakeError("control client is closed")
             socket = self._context.socket(zmq.DEALER)
+            refusals = socket.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED, f"inproc://pdserve-exchange-{next(_exchanges)}")
         try:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -207,12 +212,22 @@ class Client:
                 socket.setsockopt(zmq.IPV6, 1)
             socket.connect(tcp_endpoint(host, port))
             socket.send(frame, zmq.NOBLOCK)
-            if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
-                raise HandshakeError(f"no reply from {host}:{port} to {type(msg).__name__} within {timeout_s:g} s")
-            return self.codec.decode(socket.recv(zmq.NOBLOCK))
+            poller = zmq.Poller()
+            poller.register(socket, zmq.POLLIN)
+            poller.register(refusals, zmq.POLLIN)
+            ready = dict(poller.poll(int(timeout_s * 1000)))
+            if socket in ready:
+                return self.codec.decode(socket.recv(zmq.NOBLOCK))
+            no_reply = f"no reply from {host}:{port} to {type(msg).__name__} within {timeout_s:g} s"
+            if refusals in ready:
+                raise HandshakeError(f"{no_reply}: connection refused")  # none will come: fail now, not at the timeout
+            raise HandshakeError(no_reply)
         except zmq.ZMQError as e:
             raise HandshakeError(f"request to {host}:{port} failed: {e}") from None
         finally:
+            with contextlib.suppress(zmq.ZMQError):  # the context may be terminating
+                socket.disable_monitor()
+            refusals.close(0)
             socket.close(0)
 
     def send(self, host: str, port: int, msg, recipient: str = "") -> None:

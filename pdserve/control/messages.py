@@ -1,8 +1,10 @@
 """Every control-plane message: a small frozen dataclass with a type tag.
 
 The codec (codec.py) turns any of them into an authenticated envelope and back; it looks classes
-up in `MESSAGE_TYPES` by tag and checks payload fields against the dataclass annotations, so
-adding a message is adding a class here.
+up in `MESSAGE_TYPES` by tag and checks payload fields against the dataclass annotations. A
+message is registered with `@message(tag)`: the transfer messages here, and those of a package
+above the control plane in that package (placement's load and status: pdserve/placement/messages.py),
+so the control plane imports nothing above it.
 
 Fencing: every message but the two that open a conversation (HandshakeRequest, Ping) is
 *addressed*: its envelope names the recipient's incarnation (the identity from its handshake),
@@ -55,42 +57,42 @@ def field_types(cls) -> dict[str, object]:
 
 MAX_BLOCKS = 1 << 20  # block ids per message: far above any real prompt, far below a memory attack
 MAX_TEXT = 4096
+MAX_WRITE_FOR_S = 3600.0  # the longest write window D may grant (seconds)
 MAX_IDENTITY = 256  # an incarnation identity: the codec's limit for senders and recipients
 _DIGEST = re.compile(r"[0-9a-f]{32}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PROC_FD = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,9}")
-MAX_PREFILL_PEERS = 256  # prefill instances a DecodeStatus reports on
-MAX_COUNTED_TRANSFERS = 64  # legs a PrefillLoad names: far above a queue D would still send to
 MAX_NIXL_METADATA = 256 * 1024  # a NIXL agent's metadata: ~0.5 KiB per registered region
 
 
-def _check(condition: bool, cls, problem: str) -> None:
+def check(condition: bool, cls, problem: str) -> None:
+    """ProtocolError naming the message type unless `condition` holds (for `validate()` methods)."""
     if not condition:
         raise ProtocolError(f"{cls.TAG}: {problem}")
 
 
 def _check_transfer_id(msg) -> None:
-    _check(0 < len(msg.transfer_id) <= 256, type(msg), f"transfer_id must be 1..256 characters, got {len(msg.transfer_id)}")
+    check(0 < len(msg.transfer_id) <= 256, type(msg), f"transfer_id must be 1..256 characters, got {len(msg.transfer_id)}")
 
 
 def _check_block_ids(msg, block_ids: list[int]) -> None:
-    _check(len(block_ids) <= MAX_BLOCKS, type(msg), f"{len(block_ids)} block ids (max {MAX_BLOCKS})")
-    _check(all(0 <= b < 1 << 40 for b in block_ids), type(msg), "block ids must be non-negative block numbers")
+    check(len(block_ids) <= MAX_BLOCKS, type(msg), f"{len(block_ids)} block ids (max {MAX_BLOCKS})")
+    check(all(0 <= b < 1 << 40 for b in block_ids), type(msg), "block ids must be non-negative block numbers")
 
 
 def _check_digest(msg, digest: str, allow_empty: bool = False) -> None:
-    _check(bool(_DIGEST.fullmatch(digest)) or (allow_empty and digest == ""), type(msg),
+    check(bool(_DIGEST.fullmatch(digest)) or (allow_empty and digest == ""), type(msg),
            f"prompt_hash must be 32 lowercase hex digits, got {digest[:40]!r}")
 
 
 def _check_text(msg, name: str, text: str) -> None:
-    _check(len(text) <= MAX_TEXT, type(msg), f"{name} longer than {MAX_TEXT} characters")
+    check(len(text) <= MAX_TEXT, type(msg), f"{name} longer than {MAX_TEXT} characters")
 
 
 def _check_host_proof(msg) -> None:
-    _check(msg.host_proof == "" or bool(_PROC_FD.fullmatch(msg.host_proof)), type(msg),
+    check(msg.host_proof == "" or bool(_PROC_FD.fullmatch(msg.host_proof)), type(msg),
            f"host_proof must be /proc/<pid>/fd/<n>, got {msg.host_proof[:80]!r}")
-    _check(bool(_SHA256.fullmatch(msg.host_proof_digest)) == bool(msg.host_proof), type(msg),
+    check(bool(_SHA256.fullmatch(msg.host_proof_digest)) == bool(msg.host_proof), type(msg),
            "host_proof_digest must be 64 lowercase hex digits exactly when host_proof is set")
 
 
@@ -108,7 +110,7 @@ class HandshakeRequest:
     host_proof_digest: str = ""
 
     def validate(self) -> None:
-        _check(0 < len(self.engine_id) <= MAX_IDENTITY, type(self), "engine_id must be 1..256 characters")
+        check(0 < len(self.engine_id) <= MAX_IDENTITY, type(self), "engine_id must be 1..256 characters")
         _check_host_proof(self)
 
 
@@ -142,11 +144,11 @@ class HandshakeReply:
     host_proof_digest: str = ""
 
     def validate(self) -> None:
-        _check(0 < len(self.engine_id) <= MAX_IDENTITY, type(self), "engine_id must be 1..256 characters")
+        check(0 < len(self.engine_id) <= MAX_IDENTITY, type(self), "engine_id must be 1..256 characters")
         _check_text(self, "boot_id", self.boot_id)
-        _check(0 < self.pid < 1 << 32 and 0 <= self.start_time < 1 << 62, type(self), "pid/start_time out of range")
-        _check(len(self.regions) <= 4096 and len(self.layers) <= 4096, type(self), "too many regions or layers")
-        _check(len(self.nixl_metadata) <= MAX_NIXL_METADATA, type(self),
+        check(0 < self.pid < 1 << 32 and 0 <= self.start_time < 1 << 62, type(self), "pid/start_time out of range")
+        check(len(self.regions) <= 4096 and len(self.layers) <= 4096, type(self), "too many regions or layers")
+        check(len(self.nixl_metadata) <= MAX_NIXL_METADATA, type(self),
                f"nixl_metadata of {len(self.nixl_metadata)} bytes (max {MAX_NIXL_METADATA})")
         _check_host_proof(self)
 
@@ -167,22 +169,24 @@ class HandshakeRefused:
 class RemoteBlocks:
     """D -> P (WRITE mode): D's block ids for the whole prompt; P writes its blocks [first_block:]
     there. `prompt_hash` names the prompt those blocks are for; P writes only if its own prompt
-    has the same hash and the same number of blocks. P starts no copy after `write_by` (unix
-    time): after that D may reuse the blocks even if P never answers."""
+    has the same hash and the same number of blocks. `write_for` is a duration, not a time: P may
+    touch those blocks for at most `write_for` seconds after it received this message (less a
+    margin), every copy included, so no clock of D's is ever compared with one of P's."""
 
     transfer_id: str
     block_ids: list[int]
     first_block: int
     prompt_hash: str
-    write_by: float
+    write_for: float
 
     def validate(self) -> None:
         _check_transfer_id(self)
         _check_block_ids(self, self.block_ids)
-        _check(0 <= self.first_block <= len(self.block_ids), type(self),
+        check(0 <= self.first_block <= len(self.block_ids), type(self),
                f"first_block {self.first_block} outside 0..{len(self.block_ids)}")
         _check_digest(self, self.prompt_hash)
-        _check(math.isfinite(self.write_by), type(self), "write_by must be a finite unix time")
+        check(math.isfinite(self.write_for) and 0.0 <= self.write_for <= MAX_WRITE_FOR_S, type(self),
+              f"write_for must be 0..{MAX_WRITE_FOR_S:g} seconds")
 
 
 @message("write_done")
@@ -215,22 +219,9 @@ class Release:
 
     def validate(self) -> None:
         _check_transfer_id(self)
-        _check(len(self.reply_host) <= 255, type(self), "reply_host longer than 255 characters")
-        _check(0 <= self.reply_notify_port < 65536 and bool(self.reply_host) == bool(self.reply_notify_port),
+        check(len(self.reply_host) <= 255, type(self), "reply_host longer than 255 characters")
+        check(0 <= self.reply_notify_port < 65536 and bool(self.reply_host) == bool(self.reply_notify_port),
                type(self), "reply_host and reply_notify_port must be given together, with a valid port")
-
-
-@message("prefill_started")
-@dataclass(frozen=True)
-class PrefillStarted:
-    """P -> D (adaptive placement): P, having nothing else to compute, began prefilling
-    `transfer_id` before D's decision (connector/eager_prefill.py). D takes it as its decision
-    (remote) if it has not decided yet; if it has and prefills locally, its Release stops P's send."""
-
-    transfer_id: str
-
-    def validate(self) -> None:
-        _check_transfer_id(self)
 
 
 @message("ping")
@@ -265,8 +256,8 @@ class ReadDone:
         _check_transfer_id(self)
         _check_block_ids(self, self.block_ids)
         _check_digest(self, self.prompt_hash)
-        _check(0 < len(self.reply_host) <= 255, type(self), "reply_host must be a host name")
-        _check(0 < self.reply_notify_port < 65536, type(self), f"reply_notify_port {self.reply_notify_port} is not a port")
+        check(0 < len(self.reply_host) <= 255, type(self), "reply_host must be a host name")
+        check(0 < self.reply_notify_port < 65536, type(self), f"reply_notify_port {self.reply_notify_port} is not a port")
 
 
 @message("read_ack")
@@ -281,93 +272,3 @@ class ReadAck:
     def validate(self) -> None:
         _check_transfer_id(self)
         _check_text(self, "error", self.error)
-
-
-@message("prefill_load")
-@dataclass(frozen=True)
-class PrefillLoad:
-    """P -> D (adaptive placement): prompt tokens P has accepted and not yet computed, and what
-    its steps cost (learnt from the steps it ran), measured at unix time `at`. D estimates how
-    long a prompt it sends now waits at P. `prefill_host`:`prefill_handshake_port` names the
-    P (as the router's kv_transfer_params do). `counted_transfers`: the transfer ids of the legs
-    `queued_tokens` counts (at most MAX_COUNTED_TRANSFERS; a longer queue lists its oldest), so
-    D adds to it only the prompts it sent that P had not taken in yet."""
-
-    prefill_host: str
-    prefill_handshake_port: int
-    queued_tokens: int
-    per_token_s: float
-    overhead_s: float
-    budget: int
-    at: float
-    prefill_share: float = 0.0  # of the last few seconds, the share P spent in steps with prompt tokens (connector/prefill_share.py)
-    decodes: int = 0  # streams P decodes itself (requests it serves whole), as of its latest step
-    counted_transfers: list[str] = dataclasses.field(default_factory=list)
-
-    def validate(self) -> None:
-        _check(0 < len(self.prefill_host) <= 255, type(self), "prefill_host must be a host name")
-        _check(len(self.counted_transfers) <= MAX_COUNTED_TRANSFERS, type(self),
-               f"{len(self.counted_transfers)} counted transfers (max {MAX_COUNTED_TRANSFERS})")
-        _check(all(0 < len(t) <= 256 for t in self.counted_transfers), type(self),
-               "counted_transfers must be transfer ids of 1..256 characters")
-        _check(0 < self.prefill_handshake_port < 65536, type(self), "prefill_handshake_port is not a port")
-        _check(0 <= self.queued_tokens < 1 << 40, type(self), f"queued_tokens {self.queued_tokens} out of range")
-        _check(0 < self.budget < 1 << 30, type(self), f"budget {self.budget} out of range")
-        for name in ("per_token_s", "overhead_s"):
-            value = getattr(self, name)
-            _check(math.isfinite(value) and 0 <= value < 60, type(self), f"{name} {value} is not a cost in seconds")
-        _check(math.isfinite(self.at), type(self), "at must be a finite unix time")
-        _check(math.isfinite(self.prefill_share) and 0 <= self.prefill_share <= 1, type(self),
-               f"prefill_share {self.prefill_share} is not a share in [0, 1]")
-        _check(0 <= self.decodes < 1 << 40, type(self), f"decodes {self.decodes} out of range")
-
-
-@message("decode_status")
-@dataclass(frozen=True)
-class DecodeStatus:
-    """D -> P (adaptive placement): in READ mode, where P decides, D's side of a placement decision;
-    in WRITE mode, how loaded D's streams are, for a P that serves whole requests while they are
-    (connector/serve_gate.py). Measured at unix time `at` (connector/decode_status.py). `decode_host`:`decode_handshake_port`
-    names the D (as the router's request id does). Costs are None until D has measured them."""
-
-    decode_host: str
-    decode_handshake_port: int
-    running_decodes: int
-    local_backlog_tokens: int
-    budget: int
-    chunk: int
-    knows_prefill: bool
-    stream_tokens: float
-    at: float
-    placed_local: dict[str, int] = dataclasses.field(default_factory=dict)  # "P host:port" -> its local legs D placed
-    overhead_s: float | None = None
-    per_token_s: float | None = None
-    per_decode_s: float | None = None
-    recent_itl_s: float | None = None
-    prefill_token_s: float | None = None
-    now_itl_s: float | None = None
-    chunk_headroom: float | None = None  # of its bound D plans a local chunk step to fill (connector/chunk_headroom.py)
-
-    def validate(self) -> None:
-        _check(0 < len(self.decode_host) <= 255, type(self), "decode_host must be a host name")
-        _check(0 < self.decode_handshake_port < 65536, type(self), "decode_handshake_port is not a port")
-        for name in ("running_decodes", "local_backlog_tokens", "chunk"):
-            value = getattr(self, name)
-            _check(0 <= value < 1 << 40, type(self), f"{name} {value} out of range")
-        _check(0 < self.budget < 1 << 30, type(self), f"budget {self.budget} out of range")
-        _check(math.isfinite(self.stream_tokens) and 0 <= self.stream_tokens < 1 << 30, type(self),
-               f"stream_tokens {self.stream_tokens} out of range")
-        _check(math.isfinite(self.at), type(self), "at must be a finite unix time")
-        _check(len(self.placed_local) <= MAX_PREFILL_PEERS, type(self),
-               f"placed_local names {len(self.placed_local)} prefill instances (max {MAX_PREFILL_PEERS})")
-        _check(all(0 < len(k) <= 300 and 0 <= v < 1 << 62 for k, v in self.placed_local.items()), type(self),
-               "placed_local maps 'host:port' to a count")
-        costs = (self.overhead_s, self.per_token_s, self.per_decode_s)
-        _check(all(c is None for c in costs) or all(c is not None for c in costs), type(self),
-               "overhead_s, per_token_s and per_decode_s are given together or not at all")
-        for name in ("overhead_s", "per_token_s", "per_decode_s", "recent_itl_s", "prefill_token_s", "now_itl_s"):
-            value = getattr(self, name)
-            _check(value is None or math.isfinite(value) and -60 < value < 60, type(self),
-                   f"{name} {value} is not a cost in seconds")
-        _check(self.chunk_headroom is None or math.isfinite(self.chunk_headroom) and 0 < self.chunk_headroom <= 1,
-               type(self), f"chunk_headroom {self.chunk_headroom} is not a share in (0, 1]")

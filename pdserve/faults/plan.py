@@ -60,7 +60,7 @@ class FaultRule:
 
 
 class FaultPlan:
-    """The rules in force. `FaultPlan.load(None)` is the no-op plan of every real deployment."""
+    """The rules in force. `FaultPlan.load(None)` has none (a rig that only corrupts transfers)."""
 
     def __init__(self, path: str | None, role: str = ""):
         self._path = path

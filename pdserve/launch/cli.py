@@ -79,10 +79,6 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
                    help="adaptive mode, one prefill instance: while decode's streams are loaded (their mean ITL "
                         "near the ITL target) it registers with the router as a decode instance too and serves "
                         "the requests sent to it whole (for decode-heavy traffic)")
-    p.add_argument("--eager-prefill", action="store_true",
-                   help="adaptive mode: a prefill instance with nothing queued starts a prefill leg before the "
-                        "decode instance decided, and says so (saves the decision's wait; the decode instance "
-                        "may still have prefilled the prompt itself, and then the prefill's work is lost)")
     p.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
                    help="once healthy, a process that dies is restarted (backoff 1 s doubling to 30 s; "
                         "default) or, with never, everything is stopped and pdserve exits non-zero")
@@ -96,7 +92,7 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      drain_timeout=args.drain_timeout, prefill_budget=args.prefill_budget,
                      decode_budget=args.decode_budget, itl_target_ms=args.itl_target_ms,
                      max_step_ms=args.max_step_ms, slo=args.slo, serve_decode=args.prefill_serves_decode,
-                     eager_prefill=args.eager_prefill, num_prefill=args.num_prefill, num_decode=args.num_decode)
+                     num_prefill=args.num_prefill, num_decode=args.num_decode)
 
 
 def instance_lines(deployment: Deployment) -> list[str]:

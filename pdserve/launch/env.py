@@ -13,11 +13,7 @@ import os
 from importlib.metadata import version
 from pathlib import Path
 
-
-def project_root() -> Path:
-    """The directory holding the checkout (or $PDSERVE_HOME): owner of .cache/, models/, runs/."""
-    home = os.environ.get("PDSERVE_HOME")
-    return Path(home).resolve() if home else Path(__file__).resolve().parents[2]
+from pdserve.paths import project_root
 
 
 def cache_dir() -> Path:

@@ -62,9 +62,8 @@ class UpOptions:
     prefill_chunk: int | None = None  # ... of prefill instances
     itl_target_ms: float | None = None  # adaptive placement: decode prefills locally only within this mean ITL
     max_step_ms: float | None = None  # ... and while one chunk step takes no longer than this
-    slo: str | None = None  # adaptive placement: the declared SLO, instead of the two above (connector/slo_targets.py)
+    slo: str | None = None  # adaptive placement: the declared SLO, instead of the two above (placement/slo_targets.py)
     serve_decode: bool = False  # adaptive placement: the prefill instance serves whole requests too
-    eager_prefill: bool = False  # adaptive placement: an idle prefill instance starts a leg before decode's word
     num_prefill: int = 1
     num_decode: int = 1
 
@@ -87,8 +86,6 @@ class UpOptions:
                 raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
         if self.serve_decode and self.mode != "adaptive":
             raise ConfigError(f"the prefill instance serves whole requests only in adaptive mode (WRITE), not {self.mode}")
-        if self.eager_prefill and self.mode != "adaptive":
-            raise ConfigError(f"eager prefill is a placement option of adaptive mode (WRITE), not {self.mode}")
         if self.serve_decode and self.num_prefill != 1:
             raise ConfigError(f"a prefill instance serves whole requests only when it is the only one: the router "
                               f"pairs a request's legs across instances ({self.num_prefill} prefill instances given)")

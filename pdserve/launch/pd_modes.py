@@ -8,9 +8,9 @@ round_robin (request k goes to prefill k mod N), decode power_of_two (of two dec
 drawn at random, the one with fewer requests in flight, as the router counts them). vllm-router
 0.1.17 keeps one counter per policy, so round_robin for both would tie prefill i to decode i
 whenever N = M; with power_of_two any prefill pairs with any decode, and the streams spread by
-count: a prefill instance that serves whole requests too (serve_gate.py) gets the new requests
-until it runs as many as decode does, where a random pick gave it half of those arriving after it
-opened (9 of 40 in a decode-heavy point, with decode's streams at 41-46 ms against its 30).
+count: a prefill instance that serves whole requests too (placement/serve_gate.py) gets the new
+requests until it runs as many as decode does, where a random pick would leave decode's streams
+the more loaded.
 
 Ports, from the deployment's base port B, with K = N + M instances:
     B                      router (under `pdserve up`, pdserve's front takes B and the router moves
@@ -166,7 +166,7 @@ def read(options: UpOptions) -> Deployment:
 ADAPTIVE_PREFILL_BUDGET = 512  # one 512-token prompt per P step: no prompt waits behind three others
 # The most tokens of local prefill D computes in one step: a 512-token prompt in one step while D has
 # no stream running. With streams running the connector lowers the limit step by step so that no
-# step exceeds max_step_ms (local_chunk.py).
+# step exceeds max_step_ms (placement/chunk_size.py).
 ADAPTIVE_DECODE_BUDGET = 512
 # D's step budget is that cap plus this: a local prefill never takes the whole budget, so D's decodes
 # always fit and vLLM still looks at new requests (it admits none while the budget is spent), i.e. D
@@ -176,7 +176,7 @@ ADAPTIVE_DECODE_RESERVE = 64
 
 # READ mode, where the prefill instance decides: its budget beyond one prompt's chunk (its
 # --long-prefill-token-threshold) is room for the one-token legs of the prompts it left to the decode
-# instance, so they ride beside a started prompt's chunk instead of waiting a step (read_placement.py)
+# instance, so they ride beside a started prompt's chunk instead of waiting a step (placement/read_mode.py)
 ADAPTIVE_PREFILL_RESERVE = 16
 
 
@@ -206,6 +206,4 @@ def _adaptive(options: UpOptions, mode: str) -> Deployment:
         extra["slo"] = options.slo
     if options.serve_decode:
         extra["serve_decode"] = True
-    if options.eager_prefill:
-        extra["eager_prefill"] = True
     return pd_deployment(tuned, mode, extra)

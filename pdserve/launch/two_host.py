@@ -6,8 +6,8 @@
 
 `options` gives it the deployment `pdserve up` would run on one host (UpOptions: mode, model, token
 budget per role, prefix caching, enforce_eager, cores divided as on one host), with the same `vllm
-serve` flags per role, so the two can be compared; without it, the test harness's (eager, 512-token
-steps on both roles). Needs root (network and PID namespaces). Ports 30000-30022 inside the
+serve` flags per role, so the two can be compared; without it, the test harness's (enforce_eager,
+512-token steps on both roles). Needs root (network and PID namespaces). Ports 30000-30022 inside the
 namespaces. `python -m pdserve.launch.two_host client ...` is what runs inside a namespace for
 the helpers below (wait, greedy, metrics, model).
 """

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve.errors import ConfigError
-from pdserve.launch.env import project_root
+from pdserve.paths import project_root
 from pdserve.model import tokenizer as tok
 from pdserve.model import weights
 from pdserve.model.spec import ModelSpec, spec_for

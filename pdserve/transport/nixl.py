@@ -2,10 +2,10 @@
 
 Works within a host (UCX picks CMA, one kernel copy) and across hosts (TCP, or RDMA where the
 hardware has it). Each batch becomes one NIXL request holding every copy of the batch (the
-connector merged neighbouring blocks already). One background thread posts queued batches, skipping
-a cancelled one and failing one whose `not_after` passed, polls the requests in flight and
-finishes their handles; a request not complete after `copy_timeout_s` is aborted and failed, as is
-every request to a peer that is detached or whose agent died (UCX reports the broken endpoint).
+connector merged neighbouring blocks already). The copy thread (copy_thread.py) posts queued
+batches, polls the requests in flight and finishes their handles; a request not complete after
+`copy_timeout_s` is aborted and failed, as is every request to a peer that is detached or whose
+agent died (UCX reports the broken endpoint).
 
 A peer is attached with its region descriptors plus its agent metadata (`local_endpoint()` on the
 other side), which travels in the authenticated handshake. Only DRAM regions for now.
@@ -14,26 +14,19 @@ other side), which travels in the authenticated handshake. Only DRAM regions for
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Sequence
 from typing import NamedTuple
 
 from pdserve.errors import TransferError
-from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, Transport, TransferHandle, TransferStatus
+from pdserve.transport.base import Direction, RegionDescriptor, TransferHandle, TransferStatus
+from pdserve.transport.copy_thread import CopyThreadTransport, Job
 from pdserve.transport.nixl_agent import NixlAgent, XferState
 
 logger = logging.getLogger(__name__)
 
 COPY_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.0005
-_JOIN_DEADLINE_S = 5.0
-
-
-class _Job(NamedTuple):
-    handle: TransferHandle
-    batch: tuple[RegionOps, ...]
 
 
 class _Peer(NamedTuple):
@@ -51,42 +44,26 @@ class _InFlight(NamedTuple):
     posted: float
 
 
-class NixlTransport(Transport):
+class NixlTransport(CopyThreadTransport):
     """See the module docstring. `agent_name` must be unique among the agents that meet: it is the
     instance's incarnation identity, and a peer is attached only with metadata of the agent named
     like its peer id."""
 
     def __init__(self, agent_name: str, *, name: str = "nixl", copy_timeout_s: float = COPY_TIMEOUT_S,
                  poll_interval_s: float = POLL_INTERVAL_S):
-        self.name = name
+        super().__init__(name)
         self._agent = NixlAgent(agent_name)
         self._copy_timeout_s = copy_timeout_s
         self._poll_interval_s = poll_interval_s
-        self._local: dict[int, RegionDescriptor] = {}
         self._peers: dict[str, _Peer] = {}
         self._in_flight: list[_InFlight] = []
         self._lock = threading.Lock()  # peers and in-flight requests: the worker thread detaches, the copy thread posts
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"pdserve-{name}-copy", daemon=True)
-        self._thread.start()
+        self._start_copy_thread()
 
     # ---- regions and peers (worker thread) ---------------------------------------------------
 
-    def register_region(
-        self, region_id: int, address: int, size: int, shm_name: str | None = None
-    ) -> RegionDescriptor:
-        if region_id in self._local:
-            raise ValueError(f"region {region_id} is already registered")
-        if size <= 0 or address <= 0:
-            raise ValueError(f"region {region_id}: bad address {address:#x} or size {size}")
+    def _register_memory(self, address: int, size: int) -> None:
         self._agent.register_dram(address, size)
-        desc = RegionDescriptor(region_id, size, shm_name, address)
-        self._local[region_id] = desc
-        return desc
-
-    def local_descriptors(self) -> list[RegionDescriptor]:
-        return [self._local[i] for i in sorted(self._local)]
 
     def local_endpoint(self) -> bytes:
         """This agent's metadata (its UCX addresses and registered memory keys), for the handshake."""
@@ -133,35 +110,7 @@ class NixlTransport(Transport):
                 except TransferError as exc:
                     logger.warning("transport %s: %s", self.name, exc)
 
-    # ---- transfers ----------------------------------------------------------------------------
-
-    def submit(
-        self, peer_id: str, direction: Direction, batch: Sequence[RegionOps], *, not_after: float | None = None
-    ) -> TransferHandle:
-        batch = tuple(batch)
-        num_bytes = sum(op.length for region_ops in batch for op in region_ops.ops)
-        handle = TransferHandle(peer_id, direction, num_bytes, not_after)
-        if self._closed:
-            handle.finish(TransferStatus.FAILED, f"transport {self.name} is closed")
-            return handle
-        self._jobs.put(_Job(handle, batch))
-        return handle
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
-        self._thread.join(_JOIN_DEADLINE_S)
-        if self._thread.is_alive():
-            logger.error("copy thread of transport %s did not stop within %.0f s", self.name, _JOIN_DEADLINE_S)
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.handle.cancel(f"transport {self.name} closed before the transfer ran")
+    def _close_backend(self) -> None:
         with self._lock:
             for flight in self._in_flight:
                 self._end(flight, TransferStatus.FAILED, f"transport {self.name} closed during the transfer")
@@ -175,56 +124,38 @@ class NixlTransport(Transport):
 
     # ---- copy thread ----------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while True:
-            wait = self._poll_interval_s if self._in_flight else None
-            try:
-                job = self._jobs.get(timeout=wait)
-            except queue.Empty:
-                job = False
-            while job is not False:
-                if job is None:
-                    return
-                self._start(job)
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    job = False
-            if self._in_flight:
-                self._poll()
+    def _poll_interval(self) -> float | None:
+        return self._poll_interval_s if self._in_flight else None
 
-    def _start(self, job: _Job) -> None:
+    def _copy(self, job: Job) -> None:
         handle = job.handle
-        if self._closed:
-            handle.cancel(f"transport {self.name} closed before the transfer ran")
-            return
-        if handle.not_after is not None and time.monotonic() > handle.not_after:
-            handle.cancel("deadline passed before the copy started")
-            return
-        if not handle.begin():
-            return  # cancelled while queued
         with self._lock:
             peer = self._peers.get(handle.peer_id)
             if peer is None:
                 handle.finish(TransferStatus.FAILED, f"peer {handle.peer_id!r} is not attached")
                 return
-            pairs = self._copy_lists(job, peer)
-            if isinstance(pairs, str):
-                handle.finish(TransferStatus.FAILED, pairs)
+            copies = self._resolve(job, peer.region)
+            if isinstance(copies, str):
+                handle.finish(TransferStatus.FAILED, copies)
                 return
-            if not pairs[0]:
+            local_list = [(local, length, 0) for local, _, length in copies if length]
+            if not local_list:
                 handle.copy_seconds = 0.0
                 handle.finish(TransferStatus.DONE)
                 return
+            remote_list = [(remote, length, 0) for _, remote, length in copies if length]
             posted = time.perf_counter()
             try:
-                request, state = self._agent.post(handle.direction is Direction.WRITE, *pairs, peer.agent_name)
+                request, state = self._agent.post(handle.direction is Direction.WRITE, local_list, remote_list,
+                                                  peer.agent_name)
             except TransferError as exc:
                 handle.finish(TransferStatus.FAILED, str(exc))
                 return
             self._settle(_InFlight(handle, request, posted), state)
 
-    def _poll(self) -> None:
+    def _progress(self) -> None:
+        if not self._in_flight:
+            return
         with self._lock:
             for flight in list(self._in_flight):
                 try:
@@ -256,25 +187,3 @@ class NixlTransport(Transport):
         if status is TransferStatus.FAILED:
             logger.debug("transfer to %s failed: %s", flight.handle.peer_id, error)
         flight.handle.finish(status, error)
-
-    def _copy_lists(self, job: _Job, peer: _Peer):
-        """(local, remote) lists of (address, length, device) for NIXL, or an error message."""
-        local_list: list[tuple[int, int, int]] = []
-        remote_list: list[tuple[int, int, int]] = []
-        for region_ops in job.batch:
-            local = self._local.get(region_ops.region_id)
-            if local is None:
-                return f"no local region {region_ops.region_id}"
-            remote = peer.region(region_ops.region_id)
-            if remote is None:
-                return f"peer {job.handle.peer_id!r} has no region {region_ops.region_id}"
-            for op in region_ops.ops:
-                if (op.length < 0 or op.local_offset < 0 or op.remote_offset < 0
-                        or op.local_offset + op.length > local.size or op.remote_offset + op.length > remote.size):
-                    return (f"region {region_ops.region_id}: copy local_offset={op.local_offset} "
-                            f"remote_offset={op.remote_offset} length={op.length} is out of bounds "
-                            f"(local size {local.size}, remote size {remote.size})")
-                if op.length:
-                    local_list.append((local.address + op.local_offset, op.length, 0))
-                    remote_list.append((remote.address + op.remote_offset, op.length, 0))
-        return local_list, remote_list

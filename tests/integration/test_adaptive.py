@@ -10,6 +10,8 @@ import pytest
 from pdserve.compare import compare_greedy
 from tests.integration.pd_helpers import (collocated_reference, greedy, moved, pd_pair, prompts, snapshot,
                                           wait_idle)
+from tests.integration.seeded_requests import check_seeded_requests
+from tests.integration.request_shapes import check_n_choices, check_prompt_answers
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +69,20 @@ def test_adaptive_output_equals_collocated_with_both_placements(adaptive, refere
     total = sum(len(p) for p in PROMPTS)
     print(f"prompt tokens: {total}, computed by P and D together: {computed:.0f}")
     assert computed <= total + 2 * len(PROMPTS), "a prompt D prefilled itself was prefilled on P too"
+
+
+def test_seeded_prompt_longer_than_a_chunk_leaves_prefill_serving(adaptive):
+    check_seeded_requests(adaptive)
+
+
+def test_echo_and_prompt_logprobs_equal_collocated(adaptive, greedy_reference):
+    check_prompt_answers(adaptive, greedy_reference)
+
+
+def test_n_children_are_placed_once_and_equal_collocated(adaptive, reference):
+    for index in (next(i for i, p in enumerate(PROMPTS) if 200 <= len(p) <= 600),
+                  next(i for i, p in enumerate(PROMPTS) if len(p) > 900)):  # one always remote
+        check_n_choices(adaptive, PROMPTS[index], reference[index])
 
 
 def test_nothing_is_held_after_adaptive_traffic(adaptive):

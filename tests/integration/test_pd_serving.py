@@ -33,6 +33,8 @@ from tests.integration.pd_helpers import (
     prompts,
     wait_idle,
 )
+from tests.integration.seeded_requests import check_seeded_requests
+from tests.integration.request_shapes import check_n_choices
 
 pytestmark = pytest.mark.integration
 
@@ -248,9 +250,18 @@ def test_transfer_histograms_count_every_completed_transfer(pd):
           "D", handshakes)
 
 
+def test_seeded_prompt_longer_than_a_chunk_leaves_prefill_serving(pd):
+    check_seeded_requests(pd)
+
+
 def test_idle_after_all_traffic(pd):
     for url in (pd.prefill_url, pd.decode_url):
         wait_idle(url, timeout=TIMEOUTS["defer_timeout"] + 10)
+
+
+def test_n_children_move_their_kv_once_and_equal_collocated(pd, reference):
+    index = next(i for i, prompt in enumerate(PROMPTS) if 200 <= len(prompt) <= 600)
+    check_n_choices(pd, PROMPTS[index], reference[index])
 
 
 def test_prefill_killed_before_decode_has_the_kv(pd, reference):

@@ -17,7 +17,8 @@ import pytest
 import requests
 
 from pdserve.compare import compare_greedy
-from pdserve.connector.serve_gate import MIN_OPEN_S
+from pdserve.placement.serve_gate import MIN_OPEN_S
+from tests.integration.request_shapes import check_prompt_answers
 from tests.integration.pd_helpers import (collocated_reference, greedy, metric, metrics, model_name, moved,
                                           pd_pair, prompts, snapshot, wait_idle)
 
@@ -131,6 +132,10 @@ def test_p_stops_taking_decode_legs_once_d_is_idle(serving):
     whole = moved(before, after, "p", "pdserve:placements_total", placement="whole", reason="serve_decode")
     assert whole == 0, f"P served {whole:.0f} of 8 requests whole with D idle"
     assert moved(before, after, "d", "pdserve:placements_total") == 8  # every decode leg went to D
+
+
+def test_echo_and_prompt_logprobs_equal_collocated(serving, greedy_reference):
+    check_prompt_answers(serving, greedy_reference)
 
 
 def test_nothing_is_held_after_serving_whole_requests(serving):

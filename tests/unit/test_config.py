@@ -101,3 +101,13 @@ def test_bad_timeouts_are_rejected_naming_the_key(key, value):
 def test_inconsistent_or_unsupported_settings_are_rejected(extra, words):
     with pytest.raises(ConfigError, match=words):
         parse(extra)
+
+
+def test_placement_keys_are_parsed_with_the_rest_and_write_only_options_refuse_read_mode():
+    read = parse_connector_config("kv_consumer", {"secret_file": "x", "placement": "adaptive", "read_mode": True})
+    assert read.placement.adaptive and read.mode.value == "READ"
+    with pytest.raises(ConfigError, match="WRITE-mode placement option"):
+        parse_connector_config("kv_producer", {"secret_file": "x", "placement": "adaptive", "read_mode": True,
+                                               "serve_decode": True})
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config keys: eager_prefill"):
+        parse_connector_config("kv_producer", {"secret_file": "x", "placement": "adaptive", "eager_prefill": True})

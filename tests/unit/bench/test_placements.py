@@ -86,16 +86,6 @@ def test_counts_of_reads_decisions_and_chunk_steps_from_one_metrics_page():
     assert placements.counts_of(text) == {"local:local_faster": 4, "chunk_step:within": 40, "chunk_step:over": 2}
 
 
-def test_section_counts_eager_starts_apart_from_decode_s_decisions():
-    """P counts `remote:eager` for a leg it started before D's word; D decides that request too, so
-    counting both would show twice as many decisions as requests."""
-    lines = placements.section([("adaptive", 0.5, {"remote:eager": 40, "remote:prefill_started": 30,
-                                                   "local:local_faster": 10})])
-    row = next(line for line in lines if line.startswith("| adaptive"))
-    assert row.startswith("| adaptive | 0.5 | 40 | 30 (75%) | 10 (25%) | ")
-    assert row.endswith("; prefill started 40 legs eagerly |")
-
-
 class MetricsDeployer:
     """Brings up nothing; its endpoint names a /metrics server as the deployment's one instance."""
 

@@ -8,9 +8,9 @@ import time
 
 from pdserve.config import TransferMode
 from pdserve.connector.metadata import AwaitSpec, CancelSpec
-from pdserve.connector.decode_status import status_of
-from pdserve.connector.placement import DecodeView
-from pdserve.control.messages import DecodeStatus, PrefillLoad
+from pdserve.placement.messages import DecodeStatus, PrefillLoad
+from pdserve.placement.policy import DecodeView
+from pdserve.placement.status_view import status_of
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, Pair
 from tests.unit.connector.test_engine_write import recv_spec
 
@@ -91,19 +91,6 @@ def test_read_d_status_reaches_p_rate_limited():
         assert got == {(D_ADDRESS.host, D_ADDRESS.handshake_port): status}
         assert len([s for s in pair.d.notifier.sent if isinstance(s.message, DecodeStatus)]) == 1
         assert pair.d.engine.take_news() is None  # a status is P's news, not D's
-
-
-def test_an_eager_start_reaches_d_even_before_the_handshake():
-    with Pair(WRITE) as pair:
-        pair.p.engine.announce_start(AwaitSpec("leg", "t-eager", D_ADDRESS))  # P has not met D yet
-        started: set[str] = set()
-        deadline = time.monotonic() + 5
-        while "t-eager" not in started and time.monotonic() < deadline:
-            pair.pump()
-            out = pair.d.engine.take_news()
-            started |= out.started if out else set()
-        assert started == {"t-eager"}
-        assert pair.d.engine._transfers == {}  # a word for the placement only: no transfer is started
 
 
 def test_the_worker_hands_the_engine_every_message_but_the_handshake_and_ping():

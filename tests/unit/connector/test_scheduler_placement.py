@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import pytest
-
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import AwaitSpec, CancelSpec, WorkerNews
+from pdserve.connector.leg import LegStatus
+from pdserve.connector.metadata import AwaitSpec, CancelSpec
 from pdserve.connector.scheduler import PDScheduler
-from pdserve.control.messages import PrefillLoad
+from pdserve.placement.inbox import WorkerNews
+from pdserve.placement.messages import PrefillLoad
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
 from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, ROUTER_ID, FakeBlocks, FakeRequest, Scheduler,
                                                   SchedulerOutput, consumer_params, producer_params)
@@ -40,39 +40,6 @@ def test_p_holds_a_leg_until_d_says_prefill_here():
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).awaits == []  # asked once
     s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: True}))
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # prefill it here
-
-
-def test_an_idle_p_starts_a_leg_at_once_and_tells_d():
-    s = adaptive("kv_producer", eager_prefill=True)
-    first = FakeRequest(ROUTER_ID, producer_params(), 100)
-    second = FakeRequest(ROUTER_ID.replace("-0-", "-1-"), producer_params(transfer_id="tx-2"), 100)
-    assert s.scheduler.get_num_new_matched_tokens(first, 0) == (0, False)  # nothing else to prefill
-    assert s.scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # P has a prompt now: wait
-    meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
-    assert meta.eager == [AwaitSpec(ROUTER_ID, "tx-1", D_ADDRESS)]
-    assert meta.awaits == [AwaitSpec(second.request_id, "tx-2", D_ADDRESS)]
-    assert meta.placements == ["remote:eager"]
-    # D's Release for the eager leg comes too late to drop it: its send is stopped by the engine
-    s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: False}))
-    assert first.num_prompt_tokens == 100
-    first.num_computed_tokens = 100  # its prompt is computed: P is idle again
-    # but the waiting leg keeps waiting: D decided it while P was busy, maybe to prefill it itself
-    assert s.scheduler.get_num_new_matched_tokens(second, 0) == (None, False)
-    assert s.scheduler.build_connector_meta(SchedulerOutput({})).eager == []
-
-
-def test_a_leg_d_already_took_is_not_started_eagerly():
-    s = adaptive("kv_producer", eager_prefill=True)
-    busy = FakeRequest(ROUTER_ID.replace("-0-", "-1-"), producer_params(transfer_id="tx-0"), 100)
-    request = VllmLikeRequest(ROUTER_ID, producer_params(), 100)
-    s.scheduler.get_num_new_matched_tokens(busy, 0)  # eager: P is busy with it
-    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
-    s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: False}))
-    busy.num_computed_tokens = 100
-    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # the cut one-token leg
-    assert request.num_prompt_tokens == 1
-    assert s.scheduler.build_connector_meta(SchedulerOutput({})).eager == [AwaitSpec(busy.request_id, "tx-0",
-                                                                                     D_ADDRESS)]
 
 
 @dataclass
@@ -251,21 +218,7 @@ def test_a_prompt_waiting_its_turn_that_ends_releases_nothing_twice():
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     assert meta.cancels == [] and meta.placements == []
     assert s.scheduler._decode_load.view(None).local_backlog_tokens == 40
-    assert not s.scheduler._awaiting_turn
-
-
-def test_d_takes_a_leg_p_started_as_its_decision():
-    s = adaptive("kv_consumer", eager_prefill=True)
-    _teach_d(s)
-    busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
-    s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): busy},
-                                                             started={"tx-1"}))
-    request = FakeRequest(ROUTER_ID, consumer_params(), 40)
-    assert s.scheduler.get_num_new_matched_tokens(request, 0) == (40, True)  # local looks faster, but P runs it
-    s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 40)
-    meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
-    assert len(meta.recvs) == 1 and meta.placements == ["remote:prefill_started"]
-    assert len(s.scheduler._started) == 0  # forgotten once placed
+    assert all(leg.status is not LegStatus.AWAITING_TURN for leg in s.scheduler._decode._legs.values())
 
 
 def test_d_keeps_its_streams_mean_itl_from_what_its_steps_took():
@@ -283,9 +236,8 @@ def test_d_keeps_its_streams_mean_itl_from_what_its_steps_took():
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).placements == ["remote:itl_guard"]
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_d_sends_to_an_idle_p_without_weighing_it(eager):
-    s = adaptive("kv_consumer", eager_prefill=eager)
+def test_d_sends_to_an_idle_p_without_weighing_it():
+    s = adaptive("kv_consumer")
     _teach_d(s)
     _publish_load(s, queued=0)
     request = FakeRequest(ROUTER_ID, consumer_params(), 40)

@@ -72,7 +72,7 @@ def test_p_registers_as_its_role_and_with_serve_decode_as_decode_instance_too():
 
     zmq = "host:127.0.0.1,handshake:6301,notify:6401"
     assert registered() == ("P", zmq)
-    # the worker half's registration, beating while its ServeGate is open (serve_gate.py)
+    # the worker half's registration, beating while its ServeGate is open (placement/serve_gate.py)
     assert registered(Role.CONSUMER, placement="adaptive", serve_decode=True) == ("D", zmq)
 
 
@@ -87,14 +87,10 @@ def test_serve_decode_is_checked_at_the_edges():
         UpOptions(mode="adaptive", model="/m", serve_decode=True, num_prefill=2)
     budget = Budget.parse("512/64+serve")
     assert (budget, str(budget)) == (Budget(512, 64, True), "512/64+serve")
-    assert Budget.parse("512+eager+serve") == Budget(512, None, True, True)
-    assert str(Budget(512, None, False, True)) == "512+eager"
     with pytest.raises(ConfigError, match="optionally followed by"):
         Budget.parse("512+fast")
-    with pytest.raises(ConfigError, match="start legs eagerly"):
-        Budget.parse("512+eager").check("write")
-    with pytest.raises(ConfigError, match="eager prefill is a placement option of adaptive mode"):
-        UpOptions(mode="write", model="/m", eager_prefill=True)
+    with pytest.raises(ConfigError, match="optionally followed by"):
+        Budget.parse("512+eager")
     budget.check("adaptive")
     with pytest.raises(ConfigError, match="only adaptive's prefill instance"):
         budget.check("write")

@@ -1,9 +1,13 @@
-"""Valid sample messages of every type, built from one sample value per field name."""
+"""Valid sample messages of every type, built from one sample value per field name.
+
+Every registered type: the control plane's own and those a package above it registers with the
+codec (placement's load and status, imported here so the registry holds them)."""
 
 from __future__ import annotations
 
 import time
 
+import pdserve.placement.messages  # noqa: F401
 from pdserve.control.messages import field_types
 
 SAMPLES = {
@@ -22,7 +26,7 @@ SAMPLES = {
     "block_ids": [4, 5, 9],
     "first_block": 0,
     "prompt_hash": "0123456789abcdef0123456789abcdef",
-    "write_by": 1.0,  # replaced by a time in the near future
+    "write_for": 5.0,
     "ok": True,
     "error": "",
     "reply_host": "127.0.0.1",
@@ -58,6 +62,4 @@ def example(cls, **overrides):
     for name in field_types(cls):
         assert name in SAMPLES or name in overrides, f"add a sample value for {cls.__name__}.{name}"
         values[name] = overrides.get(name, SAMPLES.get(name))
-    if "write_by" in values and "write_by" not in overrides:
-        values["write_by"] = time.time() + 5
     return cls(**values)

@@ -129,10 +129,6 @@ def test_adaptive_is_write_with_the_placement_bounds_given_to_pdserve_up():
     args = build_parser().parse_args(["up", "--mode", "adaptive", "--max-step-ms", "70"])
     from pdserve.launch.cli import options_from
     assert options_from(args).max_step_ms == 70
-    assert not options_from(args).eager_prefill and "eager_prefill" not in configs[0]
-    eager = options_from(build_parser().parse_args(["up", "--mode", "adaptive", "--eager-prefill"]))
-    argv = plan(replace(eager, model="/m", port=18500, cores=(0, 1))).instances[0].process_spec(Path("/r")).argv
-    assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["eager_prefill"] is True
 
 
 def test_adaptive_read_is_read_with_room_on_p_for_the_legs_it_leaves_to_d():
@@ -143,12 +139,11 @@ def test_adaptive_read_is_read_with_room_on_p_for_the_legs_it_leaves_to_d():
         extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
         assert (extra["placement"], extra["read_mode"], extra["slo"]) == ("adaptive", True, "ttft<1000,mean_itl<50")
     prefill, decode = (" ".join(vllm_argv(i.process_spec(Path("/r")).argv)) for i in d.instances)
-    # P: one 512-token chunk a step and room beside it for one-token legs (read_placement.py)
+    # P: one 512-token chunk a step and room beside it for one-token legs (placement/read_mode.py)
     assert "--max-num-batched-tokens 528 --long-prefill-token-threshold 512" in prefill
     assert "--max-num-batched-tokens 576 --long-prefill-token-threshold 512" in decode
-    for flag in ("serve_decode", "eager_prefill"):
-        with pytest.raises(ConfigError, match="adaptive mode \\(WRITE\\), not adaptive-read"):
-            UpOptions(mode="adaptive-read", **{flag: True})
+    with pytest.raises(ConfigError, match="adaptive mode \\(WRITE\\), not adaptive-read"):
+        UpOptions(mode="adaptive-read", serve_decode=True)
 
 
 def test_adaptive_can_declare_the_slo_it_serves():

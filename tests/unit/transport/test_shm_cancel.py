@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 
+from pdserve.faults.corrupt import CorruptingTransport
 from pdserve.transport import CopyOp, Direction, RegionDescriptor, RegionOps, SharedSegment, ShmTransport, TransferStatus, segment_name
-from pdserve.transport.corrupt import CorruptingTransport
 
 SIZE = 4096
 ONE_BLOCK = [RegionOps(0, (CopyOp(0, 0, 64),))]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pdserve.errors import TransferTimeout
+from pdserve.faults.corrupt import CorruptingTransport
 from pdserve.transport import (
     CopyOp,
     Direction,
@@ -16,7 +17,6 @@ from pdserve.transport import (
     block_copy_ops,
     segment_name,
 )
-from pdserve.transport.corrupt import CorruptingTransport
 from pdserve.transport.shared_segment import SHM_DIR
 from tests.unit.transport import peer
 

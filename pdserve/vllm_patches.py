@@ -1,0 +1,150 @@
+"""pdserve's patches to the vLLM it ships, installed in every vLLM process by the plugin entry point.
+
+Seeded sampling on CPU. vLLM samples a token for every scheduled request, also for a prompt whose
+prefill this step only partly covers (a chunk), and throws that token away. So that a seeded request
+draws the numbers it would have drawn had that step not sampled for it,
+`GPUModelRunner._bookkeeping_sync` rewinds the request's generator with
+`set_offset(get_offset() - 4)`, which fits the Philox generators of GPUs. PyTorch's CPU generator (a
+Mersenne Twister) has no offset and raises, and the engine dies. The patch saves each such CPU
+generator's state before sampling, restores it afterwards, and keeps vLLM's rewind away from it: a
+seeded request draws the same numbers whether or not its prompt was chunked. Generators that have an
+offset are left to vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import inspect
+import logging
+import sys
+
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+REWIND = "gen.set_offset(gen.get_offset() - 4)"
+PATCHED_MARK = "_pdserve_keeps_cpu_generators"
+
+logger = logging.getLogger("pdserve.vllm_patches")
+
+
+def install() -> None:
+    """Patch vLLM's model runner now if it is imported, else when vLLM imports it.
+
+    Called by the plugin entry point in every vLLM process (API server, engine core, workers);
+    idempotent. A process that never imports the model runner is left as it was.
+    """
+    module = sys.modules.get(RUNNER_MODULE)
+    if module is not None:
+        patch_model_runner(module.GPUModelRunner)
+    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+def patch_model_runner(runner_class: type) -> bool:
+    """Make `runner_class` keep CPU generators of discarded samples; False if its code is not the
+    code this patch was written for (then it is left alone, with a warning)."""
+    if getattr(runner_class, PATCHED_MARK, False):
+        return True
+    problem = _unexpected(runner_class)
+    if problem is not None:
+        _route_logs_to_vllm()
+        logger.warning("pdserve: seeded sampling on CPU left unpatched: %s", problem)
+        return False
+    sample, bookkeeping = runner_class._sample, runner_class._bookkeeping_sync
+
+    @functools.wraps(sample)
+    def _sample(self, *args, **kwargs):
+        saved = [(generator, generator.get_state()) for generator in _offsetless_discarded(self).values()]
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            for generator, state in saved:
+                generator.set_state(state)
+
+    @functools.wraps(bookkeeping)
+    def _bookkeeping_sync(self, *args, **kwargs):
+        kept = _offsetless_discarded(self)
+        generators = self.input_batch.generators
+        for index in kept:
+            del generators[index]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(kept)
+
+    runner_class._sample = _sample
+    runner_class._bookkeeping_sync = _bookkeeping_sync
+    setattr(runner_class, PATCHED_MARK, True)
+    _route_logs_to_vllm()
+    logger.info(
+        "pdserve: seeded sampling on CPU patched: a request's CPU generator is restored after a "
+        "step that discards its sample (vLLM's offset rewind works on GPU generators only)")
+    return True
+
+
+def _offsetless_discarded(runner) -> dict:
+    """Batch index -> generator, for this step's discarded samples whose generator has no offset."""
+    batch = runner.input_batch
+    if not batch.generators:
+        return {}
+    discarded = runner.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
+    found = {}
+    for index in discarded.tolist():
+        generator = batch.generators.get(index)
+        if generator is not None and not _has_offset(generator):
+            found[index] = generator
+    return found
+
+
+def _has_offset(generator) -> bool:
+    try:
+        generator.get_offset()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _unexpected(runner_class: type) -> str | None:
+    """Why the patch does not fit `runner_class`, or None when it does."""
+    for name in ("_sample", "_bookkeeping_sync"):
+        if not callable(getattr(runner_class, name, None)):
+            return f"{runner_class.__name__}.{name} is missing"
+    try:
+        source = inspect.getsource(runner_class._bookkeeping_sync)
+    except (OSError, TypeError) as error:
+        return f"the source of _bookkeeping_sync is unavailable ({error})"
+    for expected in (REWIND, "self.input_batch.generators", "self.discard_request_mask.np"):
+        if expected not in source:
+            return f"_bookkeeping_sync no longer contains {expected!r}"
+    return None
+
+
+def _route_logs_to_vllm() -> None:
+    """pdserve's modules log to "pdserve.*"; in a vLLM process, print them like vLLM's own."""
+    ours, theirs = logging.getLogger("pdserve"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds vLLM's model runner module once, through the other finders, and patches it right
+    after it has executed."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != RUNNER_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            patch_model_runner(module.GPUModelRunner)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
