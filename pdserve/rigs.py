@@ -2,7 +2,7 @@
 
 A rig package (pdserve/faults) registers a factory here, from a vLLM general plugin; the worker
 calls `attach_rig(config)` once at start and routes three things through the rig it gets: its
-same-host transport, every control message it sends, and a few named points of its work. A
+transport backends, every control message it sends, and a few named points of its work. A
 factory returns None unless `config` asks for its rig, so a deployment gets `Rig()`, which changes
 nothing.
 """
@@ -24,8 +24,8 @@ class Rig:
     leaves the worker's behaviour as it is."""
 
     def wrap_transport(self, transport: Transport) -> Transport:
-        """Once, before the worker first uses `transport` (its shared-memory backend): returns the
-        transport the worker uses instead."""
+        """Once per transport backend, before the worker first uses it (shared memory at start,
+        NIXL when it starts): returns the transport the worker uses instead."""
         return transport
 
     def outgoing(self, message: object, send: Callable[[object], bool]) -> bool:

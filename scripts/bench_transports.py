@@ -31,9 +31,23 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench_pd_transfer import (COPY_SIDE, Prompts, Sample, block_bytes, block_size, delta,  # noqa: E402
-                                       mean_prefill, memcpy_gbs, ratio, scrape, settled, spread, stream_ttft,
-                                       wait_routable, SETTLE_TIMEOUT)
+from scripts.bench_pd_transfer import (  # noqa: E402
+    COPY_SIDE,
+    SETTLE_TIMEOUT,
+    Prompts,
+    Sample,
+    block_bytes,
+    block_size,
+    delta,
+    mean_prefill,
+    memcpy_gbs,
+    ratio,
+    scrape,
+    settled,
+    spread,
+    stream_ttft,
+    wait_routable,
+)
 
 CONFIGS = ("shm", "nixl-local", "nixl-two-host")
 PORT = 30300
@@ -65,8 +79,8 @@ def measure(mode: str, router: str, p_url: str, d_url: str, prompts: Prompts, nu
 
 
 def same_host(config: str, mode: str, args, prompts: Prompts) -> tuple[list[Sample], int]:
-    from pdserve.launch.pd_modes import pd_deployment
     from pdserve.launch import Cluster, UpOptions
+    from pdserve.launch.pd_modes import pd_deployment
 
     options = UpOptions(mode=mode, model=str(args.model_dir), port=PORT, enforce_eager=args.enforce_eager)
     transport = "shm" if config == "shm" else "nixl"

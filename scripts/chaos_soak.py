@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdserve.compare import compare_greedy, fetch_greedy, parse_choice  # noqa: E402
-from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.faults.matrix import TIMEOUTS  # noqa: E402
 from pdserve.launch import Cluster, UpOptions, plan  # noqa: E402
+from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.launch.process import group_members  # noqa: E402
 from pdserve.model.build import resolve_model  # noqa: E402
 

@@ -93,8 +93,8 @@ def measure(a: Client, b: Client) -> dict[str, float]:
         stop = threading.Event()
 
         def prefill_loop() -> None:
-            while not stop.is_set():
-                prefills.append(a.run(PROMPT_TOKENS, 1)[0])
+            while not stop.is_set():  # noqa: B023  joined in this iteration
+                prefills.append(a.run(PROMPT_TOKENS, 1)[0])  # noqa: B023
 
         loop = threading.Thread(target=prefill_loop)
         loop.start()

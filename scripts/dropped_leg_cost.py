@@ -23,15 +23,14 @@ import os
 import random
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.launch import Cluster, UpOptions  # noqa: E402
+from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.launch.process import group_members  # noqa: E402
 from pdserve.model.build import resolve_model  # noqa: E402
 

@@ -52,8 +52,8 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.placements import read_counts  # noqa: E402
-from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.launch import Cluster, UpOptions  # noqa: E402
+from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.model.build import resolve_model  # noqa: E402
 
 ALL_LOCAL = {"placement": "adaptive", "transfer_overhead_ms": 1e5, "itl_target_ms": 1e5, "max_step_ms": 1e5}

@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdserve.compare import fetch_greedy  # noqa: E402
-from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.faults.matrix import MAX_TOKENS, TIMEOUTS, Cell, Matrix, as_dict, cells  # noqa: E402
 from pdserve.launch import Cluster, UpOptions, plan  # noqa: E402
+from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.model.build import resolve_model  # noqa: E402
 
 PORTS = {"write": 29100, "read": 29200, "collocated": 29300}

@@ -133,7 +133,7 @@ async def probe(delays_ms: list[float], repeats: int) -> list[dict]:
                     break
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"vllm-router did not serve within {ROUTER_READY_S:.0f} s")
+                        raise RuntimeError(f"vllm-router did not serve within {ROUTER_READY_S:.0f} s") from None
                     await asyncio.sleep(0.5)
             for delay in delays_ms:
                 for _ in range(repeats):

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from pdserve.bench.budget import TWO_HOST_CONFIGS, TWO_HOST_SUFFIX, base_config
-from pdserve.bench.plan import KNOWN_CONFIGS, BenchPlan
 from pdserve.bench.deployment import BENCH_PORT
+from pdserve.bench.plan import KNOWN_CONFIGS, BenchPlan
 from pdserve.bench.presets import OPTIONAL_CONFIGS, PRESETS, RATIONALE, WORKLOADS, preset, with_workload
 from pdserve.bench.results import ResultsDir
 from pdserve.errors import ConfigError
@@ -121,7 +121,7 @@ def drop_unregistered(plan: BenchPlan, explicit: bool) -> tuple[BenchPlan, list[
     with a note; asked for explicitly (--configs), they stay and the run refuses them."""
     if explicit:
         return plan, []
-    from pdserve.bench.deployment import LauncherDeployer
+    from pdserve.bench.launcher_deployer import LauncherDeployer
 
     deployer = LauncherDeployer()
     missing = [c for c in plan.configs if base_config(c) in OPTIONAL_CONFIGS and deployer.unavailable(c)]
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     plan, dropped = drop_unregistered(build_plan(args), explicit=bool(args.configs))
     plan = results.open_plan(plan)
-    from pdserve.bench.deployment import LauncherDeployer
+    from pdserve.bench.launcher_deployer import LauncherDeployer
     from pdserve.bench.runner import Runner, estimate_s
     from pdserve.model.build import resolve_model
 

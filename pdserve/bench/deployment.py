@@ -6,7 +6,7 @@ every instance, PD ones per role (UpOptions.prefill_budget / decode_budget). Pre
 off unless the workload shares prefixes, so no point benefits from another's prompts. The
 ``adaptive@NAME`` is adaptive declaring one of the plan's SLOs. The
 ``*-two-host`` configurations run the same UpOptions across two network namespaces instead
-(two_host_deployment.py); ``LauncherDeployer`` is the one place that tells them apart.
+(two_host_deployment.py); ``LauncherDeployer`` (launcher_deployer.py) is the one place that tells them apart.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.bench.budget import PLAIN_CONFIGS, TWO_HOST_CONFIGS, TWO_HOST_SUFFIX, Budget, base_config
 from pdserve.errors import ConfigError, LaunchError
@@ -109,50 +109,6 @@ def check_model(served: str, model_dir: Path, where: str) -> str:
     if served != str(Path(model_dir).resolve()):
         raise LaunchError(f"{where} serves {served!r}, not {model_dir}: is another deployment using this port?")
     return served
-
-
-class LauncherDeployer:
-    """The real deployer: `pdserve.launch` modes, brought up from code on ``port`` and the next few."""
-
-    def __init__(self, port: int = BENCH_PORT, startup_timeout_s: float = 600.0) -> None:
-        self.port = port
-        self.startup_timeout_s = startup_timeout_s
-
-    def unavailable(self, config: str) -> str | None:
-        request = DeploymentRequest(config, Path("."), Path("."))
-        if request.two_host:
-            from pdserve.bench.two_host_deployment import two_host_unavailable
-
-            return two_host_unavailable()
-        from pdserve.launch import known_modes
-        import pdserve.launch.nixl_mode  # noqa: F401  registers the `nixl` mode
-
-        mode = request.mode
-        modes = known_modes()
-        if mode not in modes:
-            return f"launcher mode {mode!r} is not available (available: {', '.join(modes)})"
-        return None
-
-    def up(self, request: DeploymentRequest) -> contextlib.AbstractContextManager[Endpoint]:
-        if request.two_host:
-            from pdserve.bench.two_host_deployment import two_host_deployment
-
-            return two_host_deployment(request, self.port, self.startup_timeout_s)
-        return self._same_host(request)
-
-    @contextlib.contextmanager
-    def _same_host(self, request: DeploymentRequest) -> Iterator[Endpoint]:
-        from pdserve import launch
-
-        cluster = launch.up(request.up_options(self.port, self.startup_timeout_s))
-        try:
-            cluster.wait_healthy(self.startup_timeout_s)
-            # PD routers do not all answer /v1/models: ask an instance which model is served.
-            instance_url = next(iter(cluster.instance_urls.values()))
-            yield Endpoint(cluster.endpoint, expect_model(instance_url, request.model_dir),
-                           tuple(cluster.instance_urls.values()))
-        finally:
-            cluster.stop()
 
 
 def check_available(deployer: Deployer, configs: tuple[str, ...]) -> None:

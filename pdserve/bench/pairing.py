@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.bench.comparison import blocks, num_met
-from pdserve.bench.plan import BenchPlan, Point
+from pdserve.bench.plan import BenchPlan
 from pdserve.bench.records import BenchRun
 from pdserve.bench.results import ResultsDir
 from pdserve.bench.stats import Interval, bootstrap_blocks

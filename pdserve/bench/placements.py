@@ -100,7 +100,7 @@ def section(rows: Sequence[tuple[str, float, Counts]]) -> list[str]:
         by_placement = Counter()
         for label, n in counts.items():
             by_placement[label.partition(":")[0]] += n
-        share = lambda p: f"{by_placement[p]} ({by_placement[p] / total:.0%})"  # noqa: E731
+        share = lambda p: f"{by_placement[p]} ({by_placement[p] / total:.0%})"  # noqa: E731, B023  used in this iteration
         reasons = ", ".join(f"{label} {n}" for label, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
         chunk = f"{over} of {steps} ({over / steps:.0%})" if steps else "—"
         lines.append(f"| {config} | {rate:g} | {sum(counts.values())} | {share('remote')} | {share('local')} | {chunk} "

@@ -11,8 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.budget import (ADAPTIVE_CONFIGS, SLO_SEPARATOR, TWO_HOST_CONFIGS, Budget, base_config,
-                                  declared_slo)
+from pdserve.bench.budget import ADAPTIVE_CONFIGS, SLO_SEPARATOR, TWO_HOST_CONFIGS, Budget, base_config, declared_slo
 from pdserve.errors import ConfigError
 from pdserve.slo import SLO
 

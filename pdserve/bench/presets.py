@@ -8,10 +8,8 @@ audit of the first committed run):
   prefill/decode interference is visible at all. ISL 512 / OSL 64.
 * Rates follow the machine: a calibration measures prefill and decode step times on a plain
   instance and estimates the capacity (calibrate.py); the grid is geometric, 0.2-0.9 of it (x1.5
-  a step), because where the knees fall as a fraction of that estimate depends on the CPU: on the
-  Intel (AMX) of the first committed run PD's knee was at ~0.45 and plain's at 0.7-0.85, on an AMD
-  EPYC (decode steps twice as long, `benchmarks/default` of session 4) every knee was below 0.4.
-  Tuning and the headline table run at 0.3, a rate where the configurations still pass.
+  a step), because where the knees fall as a fraction of that estimate depends on the CPU (from
+  below 0.4 to 0.85 of it on the machines measured). Tuning and the headline table run at 0.3, a rate where the configurations still pass.
 * Fair comparison: every configuration gets the same request streams (3 seeds; arrivals.py) and
   the same tuning procedure over its token budgets, vLLM's default included (tune.py): collocated
   and round-robin over their chunk size (``chunked`` is round-robin with a fixed one and is not in

@@ -13,7 +13,21 @@ Failure rules enforced here:
 - both sides must name the same prompt (digest) and the same number of blocks;
 - D never reports success unless every byte landed, and never reports failure (which lets vLLM
   reuse or recompute into the blocks) while P could still write them: only after P confirmed it
-  stopped, P's incarnation provably died, or P's write fence (`write_by`) has passed.
+  stopped, P's incarnation provably died, or P's write window has provably closed (below).
+
+The write window (WRITE mode) is a duration, never a time compared across hosts. D announces its
+blocks at `announced_at` (its monotonic clock, taken before the message is queued) granting
+`write_for` seconds; P, receiving it at `received` (its monotonic clock, stamped by the
+control-plane thread), gives every copy the deadline `not_after = received + write_for - margin`
+(margin = min(WRITE_MARGIN_S, write_for / 10)), and its transport lets no byte land after a
+copy's deadline (transport/base.py: stopped between chunks, aborted in flight, or counted as
+still copying when that cannot be confirmed). D's fence is `announced_at + write_for +
+release_grace`. As `received = announced_at + transit`, P's last byte lands by `announced_at +
+write_for + transit - margin`, which is before D's fence whenever transit < release_grace +
+margin: the assumption is that an announcement reaches P's control-plane thread within
+release_grace (2 s by default) of being queued; clock skew between the hosts plays no part. A P on
+this host that provably lives is not trusted to the fence alone (it may be frozen mid-copy): D
+waits for its word until it has run on the CPU since the fence (see `_may_still_copy`).
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ logger = logging.getLogger("pdserve.connector")
 
 LETTING_GO = (Release, WriteDone)  # what still goes to a peer that refused our handshake: it frees its blocks
 
+WRITE_MARGIN_S = 0.25  # P ends its write window this much (at most a tenth of it) before D's grant ends
 MAX_TERMINAL_IDS = 4096
 MAX_EARLY_IDS = 4096
 LIVENESS_EVERY_S = 0.5
@@ -102,7 +117,7 @@ class TransferEngine:
 
     def on_message(self, sender: str, message) -> None:
         """Thread-safe: called by control-plane server threads with an authenticated message."""
-        self._inbox.put((sender, message))
+        self._inbox.put((sender, message, time.monotonic()))
 
     def begin_step(self) -> None:
         self._step_sends = []
@@ -155,7 +170,7 @@ class TransferEngine:
         tid = spec.transfer_id
         if tid in self._terminal or tid in self._transfers:
             known = False if tid in self._terminal else True
-        elif any(isinstance(m, RemoteBlocks) for _, _, m in self._early.get(tid, ())):
+        elif any(isinstance(item[2], RemoteBlocks) for item in self._early.get(tid, ())):
             known = True
         else:
             known = None
@@ -216,7 +231,7 @@ class TransferEngine:
                 self._expire(t)
         for tid, items in list(self._early.items()):
             kept = [item for item in items if item[0] > now]
-            for _, sender, message in (item for item in items if item[0] <= now):
+            for _, sender, message, _ in (item for item in items if item[0] <= now):
                 if isinstance(message, ReadDone):
                     self._ack(sender, message, f"no KV is held for transfer {tid} (unknown or expired)")
             if kept:
@@ -256,9 +271,9 @@ class TransferEngine:
             self._finish(t, track=False, quiet=released)
             return False
         self._transfers[t.transfer_id] = t
-        for _, sender, message in self._early.pop(t.transfer_id, ()):
+        for _, sender, message, received in self._early.pop(t.transfer_id, ()):
             if not t.state.is_terminal:
-                self._on_transfer_message(t, sender, message)
+                self._on_transfer_message(t, sender, message, received)
         return True
 
     def _apply(self, event) -> None:
@@ -267,7 +282,7 @@ class TransferEngine:
             if peer is not None:
                 self._on_peer(peer)
             return
-        sender, message = event
+        sender, message, received = event
         if isinstance(message, PrefillLoad):
             if self._config.role is Role.CONSUMER:
                 self._placement.on_load(message)
@@ -279,14 +294,14 @@ class TransferEngine:
         tid = message.transfer_id
         t = self._transfers.get(tid)
         if t is not None:
-            self._on_transfer_message(t, sender, message)
+            self._on_transfer_message(t, sender, message, received)
         elif self._config.role is Role.PRODUCER and isinstance(message, (RemoteBlocks, Release)):
             self._placement.decided(tid, isinstance(message, RemoteBlocks))
-            self._apply_unknown(tid, sender, message)
+            self._apply_unknown(tid, sender, message, received)
         else:
-            self._apply_unknown(tid, sender, message)
+            self._apply_unknown(tid, sender, message, received)
 
-    def _apply_unknown(self, tid: str, sender: str, message) -> None:
+    def _apply_unknown(self, tid: str, sender: str, message, received: float) -> None:
         """A message for a transfer we do not run (yet, or any more)."""
         if isinstance(message, Release) and self._config.role is Role.PRODUCER and message.reply_host:
             # D gave up on a transfer we have not seen (or already ended): fence it, so a send that
@@ -306,11 +321,11 @@ class TransferEngine:
             if tid not in self._early and len(self._early) >= MAX_EARLY_IDS:
                 self._early.popitem(last=False)
             expiry = time.monotonic() + self._config.defer_timeout
-            self._early.setdefault(tid, []).append((expiry, sender, message))
+            self._early.setdefault(tid, []).append((expiry, sender, message, received))
 
-    def _on_transfer_message(self, t: Transfer, sender: str, message) -> None:
+    def _on_transfer_message(self, t: Transfer, sender: str, message, received: float) -> None:
         if t.side is Side.RECV and t.peer_identity is None:
-            t.deferred.append((sender, message))  # applied once we know which incarnation is ours
+            t.deferred.append((sender, message, received))  # applied once we know which incarnation is ours
             return
         if t.peer_identity is not None and sender != t.peer_identity:
             logger.warning("pdserve: ignoring %s for transfer %s from %s: it is bound to %s",
@@ -318,7 +333,7 @@ class TransferEngine:
             return
         if t.side is Side.SEND and t.mode is TransferMode.WRITE:
             if isinstance(message, RemoteBlocks):
-                self._on_remote_blocks(t, sender, message)
+                self._on_remote_blocks(t, sender, message, received)
             elif isinstance(message, Release):
                 t.peer_identity = sender
                 self._stop(t, RELEASED_BY_DECODE, tell_peer=True)
@@ -335,7 +350,7 @@ class TransferEngine:
         else:
             logger.warning("pdserve: ignoring %s for %s transfer %s", type(message).__name__, t.side.value, t.transfer_id)
 
-    def _on_remote_blocks(self, t: Transfer, sender: str, message: RemoteBlocks) -> None:
+    def _on_remote_blocks(self, t: Transfer, sender: str, message: RemoteBlocks, received: float) -> None:
         if t.remote_block_ids is not None or t.stopping:
             return  # a duplicate, or too late
         t.peer_identity = sender
@@ -347,8 +362,8 @@ class TransferEngine:
                           f"{len(message.block_ids)}", tell_peer=True)
             return
         t.remote_block_ids, t.first_block = tuple(message.block_ids), message.first_block
-        t.write_by = message.write_by
-        t.not_after = time.monotonic() + min(message.write_by - time.time(), self._config.defer_timeout)
+        window = min(message.write_for, self._config.defer_timeout)
+        t.not_after = received + window - min(WRITE_MARGIN_S, window / 10)
         if t.not_after <= time.monotonic():
             self._stop(t, "decode's write deadline passed before its blocks could be written", tell_peer=True)
             return
@@ -442,16 +457,16 @@ class TransferEngine:
         t.peer_identity = peer.key
         t.peer_incarnation = peer.incarnation
         deferred, t.deferred = t.deferred, []
-        for sender, message in deferred:  # e.g. P's WriteDone(ok=False): then nothing is announced
+        for sender, message, received in deferred:  # e.g. P's WriteDone(ok=False): then nothing is announced
             if not t.state.is_terminal:
-                self._on_transfer_message(t, sender, message)
+                self._on_transfer_message(t, sender, message, received)
         if t.state.is_terminal or t.stopping:
             return
         if t.mode is TransferMode.WRITE:
-            remaining = max(0.0, t.deadline - time.monotonic())
-            t.write_by = time.time() + remaining
+            t.announced_at = time.monotonic()  # before it is queued: the fence counts from here
+            t.write_for = max(0.0, t.deadline - t.announced_at)
             t.announced = self._notify(
-                t.peer, RemoteBlocks(t.transfer_id, list(t.local_block_ids), t.first_block, t.prompt_hash, t.write_by),
+                t.peer, RemoteBlocks(t.transfer_id, list(t.local_block_ids), t.first_block, t.prompt_hash, t.write_for),
                 peer.key)
             if not t.announced:
                 self._fail(t, f"cannot reach the prefill instance at {t.peer.host}:{t.peer.notify_port}")
@@ -586,8 +601,7 @@ class TransferEngine:
             for handle in t.pending_handles:
                 self._transport.cancel(handle)
             if t.side is Side.RECV and t.mode is TransferMode.WRITE and t.announced and t.fence_deadline is None:
-                fence = (t.write_by or time.time()) - time.time()
-                t.fence_deadline = time.monotonic() + max(0.0, fence) + self._config.release_grace
+                t.fence_deadline = t.announced_at + t.write_for + self._config.release_grace
                 t.deadline = max(t.deadline, t.fence_deadline)
             if tell_peer and t.peer is not None:
                 self._tell_stopped(t, reason)
@@ -620,18 +634,29 @@ class TransferEngine:
         self._finish(t)
 
     def _may_still_copy(self, t: Transfer) -> bool:
-        """Past the fence P starts no copy, but one it started before write_by may still run (a
-        slow or descheduled memmove). A P on this host that provably lives and has not said it
-        stopped is waited for, up to one more transfer_timeout; a P elsewhere cannot be observed
-        from here, so for it the fence alone decides."""
+        """Past the fence a P elsewhere cannot be observed from here, so for it the fence alone
+        decides: its transport let no byte land after the window (module docstring). A P on this
+        host that provably lives may instead be frozen mid-copy (stopped, or never scheduled) and
+        land a chunk whenever it resumes, so D keeps waiting for its WriteDone (asking again with
+        a Release every release_grace, in case the answer was lost) until that P has run on the
+        CPU since the fence and one more transfer_timeout has passed: a running P's copy thread
+        checks the deadline before every chunk and stops."""
         incarnation = t.peer_incarnation
         if incarnation is None or not incarnation.same_host or incarnation.is_gone():
             return False
-        if time.monotonic() < (t.fence_deadline or 0.0) + self._config.transfer_timeout:
-            return True
-        logger.error("pdserve: prefill %s never confirmed it stopped writing transfer %s; reusing its blocks",
-                     t.peer_identity, t.transfer_id)
-        return False
+        now = time.monotonic()
+        cpu = incarnation.cpu_ticks()
+        if t.peer_cpu_at_fence is None:
+            t.peer_cpu_at_fence = cpu
+        ran = cpu is not None and t.peer_cpu_at_fence is not None and cpu > t.peer_cpu_at_fence
+        if ran and now >= (t.fence_deadline or 0.0) + self._config.transfer_timeout:
+            logger.error("pdserve: prefill %s never confirmed it stopped writing transfer %s, though it ran since "
+                         "its deadline; reusing its blocks", t.peer_identity, t.transfer_id)
+            return False
+        if now >= t.next_release:
+            t.next_release = now + self._config.release_grace
+            self._notify(t.peer, self._release(t.transfer_id), t.peer_identity)
+        return True
 
     def _fail(self, t: Transfer, reason: str) -> None:
         self._stop(t, reason, tell_peer=True)

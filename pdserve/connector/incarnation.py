@@ -37,6 +37,17 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
+def process_cpu_ticks(pid: int) -> int | None:
+    """utime + stime of /proc/<pid>/stat (clock ticks the process ran), None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2:].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass(frozen=True)
 class Incarnation:
     identity: str  # "<engine_id>/<pid>-<token>": unique per process, the envelope sender id
@@ -60,3 +71,10 @@ class Incarnation:
             return False
         started = process_start_time(self.pid)
         return started is None or started != self.start_time
+
+    def cpu_ticks(self) -> int | None:
+        """The CPU time this incarnation has run, in clock ticks: only for one on this host that
+        is not gone, else None."""
+        if not self.same_host or self.pid <= 0 or self.is_gone():
+            return None
+        return process_cpu_ticks(self.pid)

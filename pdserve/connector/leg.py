@@ -9,6 +9,14 @@ A decode leg (D):
     NEW --(D computes it, P told)--> RELEASED
     NEW --(D computes it after its other local prompts, P told)--> AWAITING_TURN --(its turn)--> RELEASED
 
+A prefill leg on P that sends its KV (WRITE) or holds it for D to read (READ):
+
+    PREFILLING --(the step computing its last prompt chunk)--> SENDING --(request ends)--> HELD
+    PREFILLING --(no send possible, or the request ends first; D told)--> CANCELLED
+    SENDING --(preempted: blocks freed, send stopped, D told)--> PREEMPTED --(request ends)--> HELD
+    NEW --(READ: request ends with its prompt computed; HoldSpec)--> HELD
+
+HELD ends when the worker reports the send or hold over (vLLM frees the blocks then).
 Every status ends in `request_finished`, which tells P whatever it still needs to know (a transfer
 that will not happen) and forgets the leg.
 """
@@ -31,15 +39,26 @@ class LegStatus(enum.Enum):
     RECEIVED = "received"  # D: the worker reported the transfer over
     AWAITING_TURN = "awaiting_turn"  # D: computes the prompt itself after its other local ones; P told
     RELEASED = "released"  # D: computes the prompt itself; P told, or P holds nothing
+    PREFILLING = "prefilling"  # P, WRITE: its send is due in the step that computes its last prompt chunk
+    SENDING = "sending"  # P, WRITE: SendSpec planned
+    PREEMPTED = "preempted"  # P, WRITE: its send stopped by a preemption; never a second one
+    HELD = "held"  # P: ended; its blocks stay until the worker reports the send or hold over
+    CANCELLED = "cancelled"  # P: its transfer will not happen; D told
 
 
 _NEXT: dict[LegStatus, frozenset[LegStatus]] = {
-    LegStatus.NEW: frozenset({LegStatus.RECEIVING, LegStatus.REJECTED, LegStatus.RELEASED, LegStatus.AWAITING_TURN}),
+    LegStatus.NEW: frozenset({LegStatus.RECEIVING, LegStatus.REJECTED, LegStatus.RELEASED, LegStatus.AWAITING_TURN,
+                              LegStatus.HELD}),
     LegStatus.RECEIVING: frozenset({LegStatus.RECEIVED}),
     LegStatus.REJECTED: frozenset({LegStatus.RECEIVED}),
     LegStatus.AWAITING_TURN: frozenset({LegStatus.RELEASED}),
     LegStatus.RECEIVED: frozenset(),
     LegStatus.RELEASED: frozenset(),
+    LegStatus.PREFILLING: frozenset({LegStatus.SENDING, LegStatus.CANCELLED}),
+    LegStatus.SENDING: frozenset({LegStatus.PREEMPTED, LegStatus.HELD}),
+    LegStatus.PREEMPTED: frozenset({LegStatus.HELD}),
+    LegStatus.HELD: frozenset(),
+    LegStatus.CANCELLED: frozenset(),
 }
 
 

@@ -14,7 +14,7 @@ A transfer is bound to one peer *incarnation* (`peer_identity`) the first time i
 copies with a peer; every later message must come from that incarnation, every copy goes to its
 mapping, and a different incarnation at the same address fails the transfer. A D-side transfer
 reaches FAILED only when no copy can still touch its blocks (P confirmed it stopped, P is
-provably dead, or P's own write fence `write_by` has passed).
+provably dead, or the write window D granted has provably closed: see engine.py).
 """
 
 from __future__ import annotations
@@ -79,9 +79,12 @@ class Transfer:
     layers_submitted: set[int] = field(default_factory=set)
     handles: list = field(default_factory=list)
     num_bytes: int = 0
-    announced: bool = False  # D WRITE: RemoteBlocks sent, so P may write our blocks until write_by
-    write_by: float | None = None  # WRITE: unix time after which P starts no copy (D's fence)
-    not_after: float | None = None  # P WRITE: write_by as this host's monotonic time
+    announced: bool = False  # D WRITE: RemoteBlocks sent, so P may write our blocks for write_for s
+    announced_at: float = 0.0  # D WRITE: monotonic time the announcement was queued
+    write_for: float = 0.0  # D WRITE: the write window granted to P (seconds)
+    not_after: float | None = None  # P WRITE: monotonic time after which no byte of ours may land
+    peer_cpu_at_fence: int | None = None  # D WRITE, P on this host: P's CPU ticks when the fence passed
+    next_release: float = 0.0  # D WRITE, P on this host: when to ask again for P's WriteDone
     stopping: str = ""  # why it is winding down: P stops copying / D waits for P to confirm
     fence_deadline: float | None = None  # D WRITE: monotonic time after which P provably stopped
     hold_expires_at: float | None = None  # D READ: unix time after which P may free its blocks

@@ -60,7 +60,7 @@ class PDWorker:
         self._codec = Codec(load_secret(config.secret_file), self.identity)
         self._rig = attach_rig(config)  # a test rig's hooks (pdserve/rigs.py); Rig() changes nothing
         self._transport = build_transport(config.transport, self._rig.wrap_transport(ShmTransport()), self.identity,
-                                          config.transfer_timeout)
+                                          config.transfer_timeout, self._rig.wrap_transport)
         self._host_proof = HostProof(self._token)
         self._client = Client(self._codec)
         self._model_fingerprint = model_fingerprint

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, Transport, TransferHandle, TransferStatus
+from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, TransferHandle, TransferStatus, Transport
 
 
 def invert_bytes(ranges: list[tuple[int, int]]) -> None:

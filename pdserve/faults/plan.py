@@ -3,7 +3,7 @@ running deployment can go through many faults without a restart.
 
     {"rules": [
       {"action": "drop" | "delay" | "duplicate" | "reorder", "message": "<tag>", "seconds": 3.0},
-      {"action": "fail_copy" | "slow_copy", "seconds": 3.0},
+      {"action": "fail_copy" | "slow_copy" | "stall_copy", "seconds": 3.0},
       {"action": "kill", "at": "after_layer:1" | "receive:<tag>"}
     ], "generation": 1}
 
@@ -12,7 +12,8 @@ default every match) and `"role": "P" | "D"` (only that side applies it; default
 remote_blocks, write_done, release, read_done, read_ack). Copy rules act on this process's
 transport: `slow_copy` sleeps on the copy thread after each batch (the queue behind it waits
 too), `fail_copy` fails a batch after its bytes landed (the worst case for D: the blocks look
-written). `kill` SIGKILLs this instance's whole process group at a named point.
+written), `stall_copy` sleeps after a batch was admitted and before its bytes move (a copy that
+began before its deadline and is slowed past it; shared-memory and NIXL transports alike). `kill` SIGKILLs this instance's whole process group at a named point.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Callable
 logger = logging.getLogger("pdserve.faults")
 
 MESSAGE_ACTIONS = ("drop", "delay", "duplicate", "reorder")
-COPY_ACTIONS = ("fail_copy", "slow_copy")
+COPY_ACTIONS = ("fail_copy", "slow_copy", "stall_copy")
 REORDER_S = 0.3
 RELOAD_EVERY_S = 0.2
 
@@ -140,13 +141,24 @@ class FaultPlan:
                     os.kill(os.getpid(), signal.SIGKILL)
 
     def install_copy_hook(self, transport) -> None:
-        """Run copy rules on `transport`'s copy thread (ShmTransport.set_copy_hook)."""
-        if self._path:
+        """Run copy rules on `transport`'s copy thread: `stall_copy` through its stall hook (every
+        copy-thread transport), the others through its copy hook (shared memory only)."""
+        if not self._path:
+            return
+        if hasattr(transport, "set_copy_hook"):
             transport.set_copy_hook(self._on_copy)
+        if hasattr(transport, "set_stall_hook"):
+            transport.set_stall_hook(self._on_stall)
+
+    def _on_stall(self, direction) -> None:
+        for rule in self.rules():
+            if rule.action == "stall_copy" and rule.take():
+                logger.warning("pdserve: fault: stall_copy %.1f s", rule.seconds)
+                time.sleep(rule.seconds)
 
     def _on_copy(self, direction, ranges) -> None:
         for rule in self.rules():
-            if rule.action in COPY_ACTIONS and rule.take():
+            if rule.action in ("fail_copy", "slow_copy") and rule.take():
                 logger.warning("pdserve: fault: %s", rule.action)
                 if rule.action == "slow_copy":
                     time.sleep(rule.seconds)

@@ -25,7 +25,8 @@ class FaultRig(Rig):
 
     def wrap_transport(self, transport: Transport) -> Transport:
         self._plan.install_copy_hook(transport)
-        return CorruptingTransport(transport) if self._corrupt else transport
+        corruptible = hasattr(transport, "set_copy_hook")  # shared memory: its bytes are addressable here
+        return CorruptingTransport(transport) if self._corrupt and corruptible else transport
 
     def outgoing(self, message: object, send: Callable[[object], bool]) -> bool:
         return self._plan.outgoing(message, send)

@@ -29,8 +29,8 @@ from pdserve.errors import LaunchError
 from pdserve.launch.env import runs_dir
 from pdserve.launch.front.spec import DRAIN_GRACE_S, FrontSpec
 from pdserve.launch.modes import Deployment
-from pdserve.launch.ports import require_free
 from pdserve.launch.options import RestartPolicy, check_restart_policy
+from pdserve.launch.ports import require_free
 from pdserve.launch.process import ManagedProcess
 from pdserve.launch.router import RouterSpec
 from pdserve.launch.supervisor import Supervisor

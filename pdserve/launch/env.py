@@ -9,7 +9,6 @@ wrapper (`pdserve.vllm_cli`).
 
 from __future__ import annotations
 
-import os
 from importlib.metadata import version
 from pathlib import Path
 

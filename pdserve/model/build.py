@@ -8,10 +8,10 @@ import tempfile
 from pathlib import Path
 
 from pdserve.errors import ConfigError
-from pdserve.paths import project_root
 from pdserve.model import tokenizer as tok
 from pdserve.model import weights
 from pdserve.model.spec import ModelSpec, spec_for
+from pdserve.paths import project_root
 
 DEFAULT_SEED = 0
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

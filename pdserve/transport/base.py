@@ -103,7 +103,10 @@ def _check_int(value, name: str, low: int, high: int) -> None:
 class TransferHandle:
     """One submitted batch. Its status goes once from PENDING to DONE or FAILED: set by the
     transport, or by `cancel` while the copy has not started. `not_after` (a time.monotonic()
-    deadline, or None) is the latest moment the copy may start; the transport fails it after."""
+    deadline, or None) is the latest moment the copy may touch memory at all: a batch not begun
+    by then fails without copying, a running one is stopped (shm: before its next chunk) and an
+    in-flight one is aborted (NIXL). A handle that stays PENDING past `not_after` is a copy whose
+    stop could not be confirmed: it may still land, so its memory must not be reused."""
 
     def __init__(self, peer_id: str, direction: Direction, num_bytes: int, not_after: float | None = None):
         self.peer_id = peer_id
@@ -213,7 +216,9 @@ class Transport(ABC):
         Never raises for a bad batch: an unknown peer or region, or an op out of either region's
         bounds, fails the handle (status FAILED, `error` naming region, offset and length) before
         any byte of the batch is copied. A batch whose copy would begin after `not_after` (a
-        time.monotonic() deadline) fails with "deadline passed before the copy started".
+        time.monotonic() deadline) fails with "deadline passed before the copy started"; one
+        still running at `not_after` is stopped and fails with "deadline passed during the copy"
+        (some of its bytes may have landed, none lands after its handle finished).
         """
 
     def cancel(self, handle: TransferHandle) -> bool:

@@ -2,7 +2,9 @@
 
 `submit` queues a batch and returns its handle at once. The copy thread takes queued batches in
 order; it cancels one that reaches it after `close` or after its `not_after` deadline, skips one
-cancelled while queued, and hands every other to the backend's `_copy`. Between queue waits it
+cancelled while queued, and hands every other to the backend's `_copy` (after the stall hook, if
+one is set, and a second look at the deadline: a batch is never handed on past `not_after`).
+The backend bounds the rest: no byte of a batch may land after its `not_after`. Between queue waits it
 calls `_progress` (a backend with copies in flight polls them there; `_poll_interval` says how
 long the thread may wait for a new batch meanwhile). `close` stops the thread, cancels what is
 still queued, then lets the backend release its peers and memory (`_close_backend`).
@@ -36,6 +38,16 @@ class Job(NamedTuple):
 Copy = tuple[int, int, int]
 
 
+# Called on the copy thread when a batch was admitted, before any of its bytes move (test rigs:
+# a copy that began before its deadline and is slowed past it).
+StallHook = Callable[[Direction], None]
+
+
+def past(deadline: float | None) -> bool:
+    """Whether the time.monotonic() deadline `deadline` (None: none) has passed."""
+    return deadline is not None and time.monotonic() > deadline
+
+
 class Region(Protocol):
     address: int
     size: int
@@ -50,6 +62,7 @@ class CopyThreadTransport(Transport):
         self._local: dict[int, RegionDescriptor] = {}
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._closed = False
+        self._stall_hook: StallHook | None = None
         self._thread = threading.Thread(target=self._run, name=f"pdserve-{name}-copy", daemon=True)
 
     def _start_copy_thread(self) -> None:
@@ -89,6 +102,11 @@ class CopyThreadTransport(Transport):
         desc = RegionDescriptor(region_id, size, shm_name, address)
         self._local[region_id] = desc
         return desc
+
+    def set_stall_hook(self, hook: StallHook | None) -> None:
+        """Install a hook run on the copy thread after a batch is admitted, before its bytes move
+        (test-only; see pdserve/faults)."""
+        self._stall_hook = hook
 
     def local_descriptors(self) -> list[RegionDescriptor]:
         return [self._local[i] for i in sorted(self._local)]
@@ -135,19 +153,33 @@ class CopyThreadTransport(Transport):
                 if job is None:
                     return
                 if self._admit(job.handle):
-                    self._copy(job)
+                    self._begin(job)
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     job = False
             self._progress()
 
+    def _begin(self, job: Job) -> None:
+        """Run an admitted batch: the stall hook, then the backend's copy unless the deadline passed."""
+        hook = self._stall_hook
+        if hook is not None:
+            try:
+                hook(job.handle.direction)
+            except Exception as exc:  # noqa: BLE001 - a failing hook fails the batch, not the thread
+                job.handle.finish(TransferStatus.FAILED, f"copy failed: {type(exc).__name__}: {exc}")
+                return
+        if past(job.handle.not_after):
+            job.handle.finish(TransferStatus.FAILED, "deadline passed before the copy started")
+            return
+        self._copy(job)
+
     def _admit(self, handle: TransferHandle) -> bool:
         """Begin `handle`, or cancel it when the transport closed or its deadline passed."""
         if self._closed:
             handle.cancel(f"transport {self.name} closed before the transfer ran")
             return False
-        if handle.not_after is not None and time.monotonic() > handle.not_after:
+        if past(handle.not_after):
             handle.cancel("deadline passed before the copy started")
             return False
         return handle.begin()  # False: cancelled while queued

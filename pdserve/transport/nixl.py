@@ -3,9 +3,16 @@
 Works within a host (UCX picks CMA, one kernel copy) and across hosts (TCP, or RDMA where the
 hardware has it). Each batch becomes one NIXL request holding every copy of the batch (the
 connector merged neighbouring blocks already). The copy thread (copy_thread.py) posts queued
-batches, polls the requests in flight and finishes their handles; a request not complete after
-`copy_timeout_s` is aborted and failed, as is every request to a peer that is detached or whose
-agent died (UCX reports the broken endpoint).
+batches, polls the requests in flight and finishes their handles; a request not complete by its
+batch's `not_after` deadline or after `copy_timeout_s` is aborted and failed, as is every request
+to a peer that is detached or whose agent died (UCX reports the broken endpoint).
+
+Aborting is releasing the request (NIXL aborts it first). Its handle fails only once the release
+succeeded: a request NIXL could not release may still be moving bytes, so its handle stays
+PENDING ("still copying") and the release is retried at every poll. For a WRITE that is memory
+of the peer's, which the peer will reuse once its own fence passed; nothing here can stop the
+bytes any more, so `on_stuck_write` is called, and by default it ends this process (a process
+that is gone posts no more bytes, and its agent's endpoints close with it).
 
 A peer is attached with its region descriptors plus its agent metadata (`local_endpoint()` on the
 other side), which travels in the authenticated handshake. Only DRAM regions for now.
@@ -14,19 +21,28 @@ other side), which travels in the authenticated handshake. Only DRAM regions for
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from pdserve.errors import TransferError
 from pdserve.transport.base import Direction, RegionDescriptor, TransferHandle, TransferStatus
-from pdserve.transport.copy_thread import CopyThreadTransport, Job
+from pdserve.transport.copy_thread import CopyThreadTransport, Job, past
 from pdserve.transport.nixl_agent import NixlAgent, XferState
 
 logger = logging.getLogger(__name__)
 
 COPY_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.0005
+
+
+def exit_process(reason: str) -> None:
+    """The default `on_stuck_write`: log, then end this process at once."""
+    logger.critical("pdserve: %s; ending this process so that no byte of it can land late", reason)
+    logging.shutdown()
+    os._exit(70)
 
 
 class _Peer(NamedTuple):
@@ -50,13 +66,16 @@ class NixlTransport(CopyThreadTransport):
     like its peer id."""
 
     def __init__(self, agent_name: str, *, name: str = "nixl", copy_timeout_s: float = COPY_TIMEOUT_S,
-                 poll_interval_s: float = POLL_INTERVAL_S):
+                 poll_interval_s: float = POLL_INTERVAL_S, agent: NixlAgent | None = None,
+                 on_stuck_write: Callable[[str], None] = exit_process):
         super().__init__(name)
-        self._agent = NixlAgent(agent_name)
+        self._agent = agent or NixlAgent(agent_name)
         self._copy_timeout_s = copy_timeout_s
         self._poll_interval_s = poll_interval_s
+        self._on_stuck_write = on_stuck_write
         self._peers: dict[str, _Peer] = {}
         self._in_flight: list[_InFlight] = []
+        self._stuck: list[tuple[_InFlight, str]] = []  # aborted, release failed: may still be copying
         self._lock = threading.Lock()  # peers and in-flight requests: the worker thread detaches, the copy thread posts
         self._start_copy_thread()
 
@@ -103,7 +122,7 @@ class NixlTransport(CopyThreadTransport):
                 return
             for flight in [f for f in self._in_flight if f.handle.peer_id == peer_id]:
                 self._in_flight.remove(flight)
-                self._end(flight, TransferStatus.FAILED, f"peer {peer_id!r} was detached during the transfer")
+                self._abort(flight, f"peer {peer_id!r} was detached during the transfer")
             if not any(p.agent_name == peer.agent_name for p in self._peers.values()):
                 try:
                     self._agent.remove_remote(peer.agent_name)
@@ -112,9 +131,10 @@ class NixlTransport(CopyThreadTransport):
 
     def _close_backend(self) -> None:
         with self._lock:
-            for flight in self._in_flight:
-                self._end(flight, TransferStatus.FAILED, f"transport {self.name} closed during the transfer")
-            self._in_flight.clear()
+            flights, self._in_flight = self._in_flight, []
+            for flight in flights:
+                self._abort(flight, f"transport {self.name} closed during the transfer")
+            self._retry_stuck()
         for peer_id in list(self._peers):
             self.detach_peer(peer_id)
         try:
@@ -125,7 +145,7 @@ class NixlTransport(CopyThreadTransport):
     # ---- copy thread ----------------------------------------------------------------------------
 
     def _poll_interval(self) -> float | None:
-        return self._poll_interval_s if self._in_flight else None
+        return self._poll_interval_s if self._in_flight or self._stuck else None
 
     def _copy(self, job: Job) -> None:
         handle = job.handle
@@ -154,15 +174,16 @@ class NixlTransport(CopyThreadTransport):
             self._settle(_InFlight(handle, request, posted), state)
 
     def _progress(self) -> None:
-        if not self._in_flight:
+        if not self._in_flight and not self._stuck:
             return
         with self._lock:
+            self._retry_stuck()
             for flight in list(self._in_flight):
                 try:
                     state = self._agent.state(flight.request)
                 except TransferError as exc:
                     self._in_flight.remove(flight)
-                    self._end(flight, TransferStatus.FAILED, str(exc))
+                    self._abort(flight, str(exc))
                     continue
                 self._in_flight.remove(flight)
                 self._settle(flight, state)
@@ -173,16 +194,47 @@ class NixlTransport(CopyThreadTransport):
             self._end(flight, TransferStatus.DONE)
         elif state is XferState.FAILED:
             self._end(flight, TransferStatus.FAILED, f"NIXL transfer to peer {flight.handle.peer_id!r} failed")
+        elif past(flight.handle.not_after):
+            self._abort(flight, "deadline passed during the copy (NIXL transfer aborted)")
         elif time.perf_counter() - flight.posted > self._copy_timeout_s:
-            self._end(flight, TransferStatus.FAILED, f"NIXL transfer not complete after {self._copy_timeout_s:.1f} s")
+            self._abort(flight, f"NIXL transfer not complete after {self._copy_timeout_s:.1f} s")
         else:
             self._in_flight.append(flight)
 
+    def _abort(self, flight: _InFlight, error: str) -> None:
+        """Release a request that is not complete; its handle fails only when NIXL confirmed it.
+        Called with the lock held, `flight` not in the in-flight list."""
+        try:
+            self._agent.release(flight.request)
+        except TransferError as exc:
+            self._stuck.append((flight, error))
+            reason = f"NIXL could not abort a transfer to {flight.handle.peer_id!r} ({error}): {exc}"
+            logger.error("transport %s: %s; it counts as still copying", self.name, reason)
+            if flight.handle.direction is Direction.WRITE:
+                self._on_stuck_write(reason)
+            return
+        self._finish(flight, TransferStatus.FAILED, error)
+
+    def _retry_stuck(self) -> None:
+        """Release again what could not be released; a READ's handle fails once that worked."""
+        stuck, self._stuck = self._stuck, []
+        for flight, error in stuck:
+            try:
+                self._agent.release(flight.request)
+            except TransferError:
+                self._stuck.append((flight, error))
+                continue
+            self._finish(flight, TransferStatus.FAILED, error)
+
     def _end(self, flight: _InFlight, status: TransferStatus, error: str | None = None) -> None:
+        """A request NIXL reported complete or failed: nothing of it moves any more."""
         try:
             self._agent.release(flight.request)
         except TransferError as exc:
             logger.warning("transport %s: %s", self.name, exc)
+        self._finish(flight, status, error)
+
+    def _finish(self, flight: _InFlight, status: TransferStatus, error: str | None = None) -> None:
         flight.handle.copy_seconds = time.perf_counter() - flight.posted
         if status is TransferStatus.FAILED:
             logger.debug("transfer to %s failed: %s", flight.handle.peer_id, error)

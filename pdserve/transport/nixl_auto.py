@@ -176,15 +176,17 @@ class RoutedTransport(Transport):
                 self._nixl.close()
 
 
-def build_transport(policy: str, shm: Transport, agent_name: str, copy_timeout_s: float) -> RoutedTransport:
+def build_transport(policy: str, shm: Transport, agent_name: str, copy_timeout_s: float,
+                    prepare: Callable[[Transport], Transport] = lambda transport: transport) -> RoutedTransport:
     """The worker's transport for `policy`: NIXL starts now under policy nixl (a ConfigError when
-    it is not installed), on first need under auto (module docstring), never under shm."""
+    it is not installed), on first need under auto (module docstring), never under shm.
+    `prepare` sees the NIXL backend once when it starts (the worker's rig hooks in there)."""
     if policy == "shm":
         return RoutedTransport(policy, shm)
 
     def start_nixl() -> Transport:
         from pdserve.transport.nixl import NixlTransport
-        return NixlTransport(agent_name, copy_timeout_s=copy_timeout_s)
+        return prepare(NixlTransport(agent_name, copy_timeout_s=copy_timeout_s))
 
     if policy == "nixl":
         return RoutedTransport(policy, shm, start_nixl())

@@ -2,7 +2,10 @@
 
 No socket and no serialisation on the data path: the copy thread (copy_thread.py) runs each
 submitted batch as a series of `ctypes.memmove` calls (which release the GIL) between our region
-and the mapped peer region, then marks the batch's handle DONE or FAILED.
+and the mapped peer region, then marks the batch's handle DONE or FAILED. Copies move in chunks
+of at most CHUNK_BYTES, and the batch's `not_after` deadline is checked before each chunk: once
+it passed, the batch stops and fails, so no byte of it lands more than one chunk's memmove after
+its deadline (in a process that is not frozen).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from typing import NamedTuple
 
 from pdserve.errors import TransferError
 from pdserve.transport.base import Direction, RegionDescriptor, TransferStatus
-from pdserve.transport.copy_thread import CopyThreadTransport, Job
+from pdserve.transport.copy_thread import CopyThreadTransport, Job, past
 from pdserve.transport.shared_segment import SharedSegment
 
 logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 << 20  # the most one memmove moves between two deadline checks
 
 # Called on the copy thread after a batch's bytes landed, before its handle turns DONE, with the
 # (address, length) ranges written in this process's address space. Test hooks only.
@@ -132,13 +137,9 @@ class ShmTransport(CopyThreadTransport):
         copies = self._resolve(job, mapping.region)
         if isinstance(copies, str):
             return copies
-        memmove = ctypes.memmove
-        if handle.direction is Direction.WRITE:
-            for local, remote, length in copies:
-                memmove(remote, local, length)
-        else:
-            for local, remote, length in copies:
-                memmove(local, remote, length)
+        error = self._move(copies, handle.direction is Direction.WRITE, handle.not_after)
+        if error is not None:
+            return error
         hook = self._copy_hook
         if hook is not None:
             if handle.direction is Direction.WRITE:
@@ -146,4 +147,21 @@ class ShmTransport(CopyThreadTransport):
             else:
                 written = [(local, length) for local, _, length in copies]
             hook(handle.direction, written)
+        return None
+
+    @staticmethod
+    def _move(copies: list, write: bool, not_after: float | None) -> str | None:
+        """memmove every copy, chunk by chunk, checking `not_after` before each chunk; the error
+        when the deadline passed first."""
+        memmove = ctypes.memmove
+        total = sum(length for _, _, length in copies)
+        moved = 0
+        for local, remote, length in copies:
+            src, dst = (local, remote) if write else (remote, local)
+            for start in range(0, length, CHUNK_BYTES):
+                if past(not_after):
+                    return f"deadline passed during the copy ({moved} of {total} bytes moved)"
+                size = min(CHUNK_BYTES, length - start)
+                memmove(dst + start, src + start, size)
+                moved += size
         return None

@@ -10,8 +10,8 @@ import requests
 
 from pdserve import launch
 from pdserve.launch import Cluster, UpOptions
-from tests.integration.port_check import still_bound
 from pdserve.launch.process import group_members
+from tests.integration.port_check import still_bound
 
 STARTUP_TIMEOUT = 600
 # ten prompts of varied length, token-id prompts included through fetch_greedy callers

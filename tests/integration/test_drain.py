@@ -17,12 +17,12 @@ import requests
 
 from pdserve.compare import compare_greedy, fetch_greedy, parse_choice
 from pdserve.launch.env import runs_dir
-from tests.integration.port_check import still_bound
 from pdserve.launch.process import group_members
 from pdserve.model.build import resolve_model
 from tests.integration.conftest import PROMPTS
 from tests.integration.openai_checks import check_error_shapes, check_openai_client, wait_routable
 from tests.integration.pd_helpers import LOG_DIR
+from tests.integration.port_check import still_bound
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.compare import fetch_greedy
-from pdserve.launch.pd_modes import pd_deployment
 from pdserve.faults.matrix import MAX_TOKENS, TIMEOUTS, Matrix, cells
 from pdserve.launch import Cluster, UpOptions
+from pdserve.launch.pd_modes import pd_deployment
 from pdserve.model.build import resolve_model
 from tests.integration.pd_helpers import LOG_DIR, model_name, prompts, reference_server
 

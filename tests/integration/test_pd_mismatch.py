@@ -14,8 +14,8 @@ import time
 import pytest
 
 from pdserve.compare import compare_greedy
-from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch import Cluster
+from pdserve.launch.pd_modes import pd_deployment
 from tests.integration.pd_helpers import (
     LOG_DIR,
     TIMEOUTS,

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 import requests
 
 from pdserve.compare import Generation, Step, compare_greedy
-from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch import Cluster
-from tests.integration.port_check import still_bound
+from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch.process import group_members
 from tests.integration.pd_helpers import (
     LOG_DIR,
-    MAX_TOKENS,
     TIMEOUTS,
     _segments,
     greedy,
@@ -31,6 +29,7 @@ from tests.integration.pd_helpers import (
     wait_idle,
     wait_routable,
 )
+from tests.integration.port_check import still_bound
 
 BLOCK_TOKENS = 128  # vLLM's CPU KV block size
 PREFIX_TOKENS = 1000

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from pdserve.launch.front.config import Upstream
 from pdserve.launch.front.http1 import (
-    MAX_HEAD_BYTES, HttpProtocolError, RequestHead, ResponseHead, copy, read_body, read_response_head, response_bytes,
+    MAX_HEAD_BYTES,
+    HttpProtocolError,
+    RequestHead,
+    ResponseHead,
+    copy,
+    read_body,
+    read_response_head,
+    response_bytes,
 )
 from pdserve.launch.front.openai_error import OpenAIError, from_upstream
 

@@ -3,9 +3,7 @@ import dataclasses
 import pytest
 
 from pdserve.bench.comparison import blocks, compare
-from pdserve.bench.plan import Point
 from pdserve.bench.results import ResultsDir
-
 from tests.unit.bench import synthetic
 
 

@@ -6,7 +6,6 @@ import pytest
 
 from pdserve.bench.loadgen import BenchClientError, BenchCommand, run_bench
 from pdserve.bench.plan import Workload
-
 from tests.unit.bench import synthetic
 
 

@@ -5,10 +5,10 @@ import types
 
 import pytest
 
+from pdserve.errors import ConfigError
 from pdserve.launch import nixl_mode
 from pdserve.launch.modes import plan
 from pdserve.launch.options import UpOptions
-from pdserve.errors import ConfigError
 
 
 def load_sitecustomize():

@@ -7,7 +7,6 @@ from pdserve.bench.plan import Point
 from pdserve.bench.results import ResultsDir
 from pdserve.cli import main
 from pdserve.errors import ConfigError
-
 from tests.unit.bench import synthetic
 
 # blog attainment per (rate, seed), 10 requests each

@@ -5,7 +5,6 @@ import threading
 from pdserve.bench import placements
 from pdserve.bench.deployment import Endpoint
 from pdserve.bench.results import ResultsDir
-
 from tests.unit.bench import synthetic
 from tests.unit.bench.test_runner import FakeBench, make
 

@@ -4,7 +4,6 @@ from pdserve.bench.plan import BenchPlan, Point
 from pdserve.bench.presets import PRESETS, preset
 from pdserve.bench.results import ResultsDir
 from pdserve.errors import ConfigError
-
 from tests.unit.bench import synthetic
 
 

@@ -9,7 +9,6 @@ from pdserve.bench.progress import Progress
 from pdserve.bench.results import ResultsDir
 from pdserve.bench.runner import Runner, estimate_s
 from pdserve.errors import ConfigError
-
 from tests.unit.bench import synthetic
 
 

@@ -6,7 +6,6 @@ from pdserve.bench.plots import write_plots
 from pdserve.bench.report import write_report
 from pdserve.bench.results import ResultsDir
 from pdserve.bench.summary import curve, latency
-
 from tests.unit.bench import synthetic
 
 # attainment (blog SLO), 10 requests per point:

@@ -6,7 +6,6 @@ from pdserve.bench import cli, tune
 from pdserve.bench.budget import Budget
 from pdserve.errors import ConfigError
 from pdserve.slo import SLO
-
 from tests.unit.bench import synthetic
 
 
@@ -85,7 +84,7 @@ def test_cli_workloads():
 
 
 def test_a_presets_optional_configuration_is_dropped_with_a_note_only_while_unregistered(monkeypatch):
-    from pdserve.bench.deployment import LauncherDeployer
+    from pdserve.bench.launcher_deployer import LauncherDeployer
 
     plan = cli.build_plan(parse())
     assert "adaptive" in plan.configs and plan.budgets("adaptive")

@@ -16,9 +16,9 @@ import pytest
 
 from pdserve.bench import cli, two_host_deployment
 from pdserve.bench.budget import TWO_HOST_CONFIGS, Budget
-from pdserve.bench.deployment import DeploymentRequest, Endpoint, LauncherDeployer, check_available
+from pdserve.bench.deployment import DeploymentRequest, Endpoint, check_available
+from pdserve.bench.launcher_deployer import LauncherDeployer
 from pdserve.errors import ConfigError, LaunchError
-
 from tests.unit.bench import synthetic
 
 

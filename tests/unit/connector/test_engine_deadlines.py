@@ -133,7 +133,7 @@ def test_d_read_whose_handshake_never_answers_fails_at_transfer_timeout():
 
 def test_early_message_for_a_transfer_that_never_comes_is_dropped_after_defer_timeout():
     with Pair(WRITE, p_timeouts={"defer_timeout": TICK}) as pair:
-        pair.p.engine.on_message(D_IDENTITY, RemoteBlocks("t1", [3, 4, 5, 6], 1, PROMPT_HASH, time.time() + 5))
+        pair.p.engine.on_message(D_IDENTITY, RemoteBlocks("t1", [3, 4, 5, 6], 1, PROMPT_HASH, 5.0))
         pair.pump(sides=(pair.p,))
         time.sleep(TICK * 1.5)
         pair.pump(sides=(pair.p,))

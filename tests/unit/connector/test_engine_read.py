@@ -152,7 +152,7 @@ def test_late_messages_after_a_finished_hold_are_ignored():
         pair.pump_until(lambda: "req-p" in pair.p.sending, sides=(pair.p,))
         pair.p.sending.clear()
         pair.p.engine.on_message(D_IDENTITY, Release("t1"))
-        pair.p.engine.on_message(D_IDENTITY, RemoteBlocks("t1", [1], 0, PROMPT_HASH, time.time() + 5))
+        pair.p.engine.on_message(D_IDENTITY, RemoteBlocks("t1", [1], 0, PROMPT_HASH, 5.0))
         pair.p.finished_req_ids.add("req-p")
         pair.pump_for(0.03, sides=(pair.p,))
         assert pair.p.sending == set() and len(pair.p.notifier.sent) == 1, "only the one ReadAck"

@@ -97,16 +97,17 @@ def test_d_gives_up_but_frees_its_blocks_only_after_p_slow_copy_ended(live_proce
 
 
 def test_d_write_fails_at_the_fence_when_p_never_answers_the_release():
-    """P unreachable after the announcement: D can only rely on P's write fence (write_by +
-    release_grace), and must wait for it."""
+    """P unreachable after the announcement: D can only rely on P's write fence (announcement +
+    write_for + release_grace), and must wait for it."""
     with Pair(WRITE, d_timeouts={"transfer_timeout": 0.2, "release_grace": 0.2}) as pair:
         start = time.monotonic()
         pair.d.engine.add_recv(write_recv())
         pair.pump_until(lambda: pair.d.notifier.messages(RemoteBlocks), sides=(pair.d,))
-        write_by = pair.d.notifier.messages(RemoteBlocks)[0].write_by
+        write_for = pair.d.notifier.messages(RemoteBlocks)[0].write_for
+        announced_at = sent_at(pair.d, RemoteBlocks)
         pair.pump_until(lambda: "req-d" in pair.d.recving, sides=(pair.d,))
         assert pair.d.failed_recving == {"req-d"}
-        assert time.time() >= write_by + 0.2 * 0.9
+        assert time.monotonic() >= announced_at + write_for + 0.2 * 0.9
         assert time.monotonic() - start >= 0.4 * 0.9
 
 
@@ -159,7 +160,7 @@ def pump_timed(pair: Pair, condition, sides=None, timeout_s: float = 3.0) -> tup
 
 
 def test_p_never_starts_a_copy_after_d_write_fence():
-    """P's copies carry D's write_by as `not_after`: a batch still queued behind a slow one when
+    """P's copies carry the end of D's write window as `not_after`: a batch still queued behind a slow one when
     the fence passes is refused by the transport, so D may reuse its blocks after the fence even
     though its Release never reached P."""
     with Pair(WRITE, d_timeouts={"transfer_timeout": 0.3, "release_grace": 0.1}) as pair:
@@ -185,10 +186,10 @@ def test_p_never_starts_a_copy_after_d_write_fence():
         assert not t1_done.ok and "deadline passed" in t1_done.error
 
 
-def test_announcement_whose_write_by_already_passed_is_never_written():
+def test_announcement_whose_write_window_already_closed_is_never_written():
     with Pair(WRITE) as pair:
         d_before = pair.d.snapshot()
-        late = RemoteBlocks("t1", list(D_BLOCKS), 0, write_recv().prompt_hash, time.time() - 1.0)
+        late = RemoteBlocks("t1", list(D_BLOCKS), 0, write_recv().prompt_hash, 0.0)
         pair.p.engine.on_message(pair.d.identity, late)
         send(pair.p)
         pair.p.finished_req_ids.add("req-p")

@@ -64,7 +64,7 @@ def test_write_moves_exactly_the_blocks_from_first_block_on(first_block):
         blocks = announced.message
         assert (blocks.transfer_id, blocks.block_ids, blocks.first_block, blocks.prompt_hash) == (
             "t1", list(D_BLOCKS), first_block, PROMPT_HASH)
-        assert added + 4.5 <= blocks.write_by <= time.time() + 5.0, "P's write fence is D's transfer deadline"
+        assert 5.0 - (time.time() - added) - 0.5 <= blocks.write_for <= 5.0, "P's write window is D's transfer deadline"
         assert (announced.address, announced.recipient) == (P_ADDRESS, P_IDENTITY)
         send(pair)
         pair.pump_until(lambda: "req-d" in pair.d.recving)
@@ -150,7 +150,7 @@ def test_late_messages_after_success_are_ignored():
         d_after = pair.d.snapshot()
         p_sent, d_sent = len(pair.p.notifier.sent), len(pair.d.notifier.sent)
         pair.p.sending.clear(), pair.d.recving.clear()
-        pair.p.engine.on_message(D_IDENTITY, RemoteBlocks("t1", [0, 1, 2, 3], 0, PROMPT_HASH, time.time() + 5))
+        pair.p.engine.on_message(D_IDENTITY, RemoteBlocks("t1", [0, 1, 2, 3], 0, PROMPT_HASH, 5.0))
         pair.p.engine.on_message(D_IDENTITY, Release("t1"))
         pair.d.engine.on_message(P_IDENTITY, WriteDone("t1", False, "late"))
         pair.d.engine.on_message(P_IDENTITY, ok_done())

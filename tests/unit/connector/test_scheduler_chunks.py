@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import pdserve.connector.scheduler as scheduler_module
+import pdserve.connector.step_pacing as step_pacing_module
 from pdserve.config import TransferMode
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.placement.chunk_headroom import MIN_SAMPLES
@@ -32,11 +32,11 @@ def test_p_serving_streams_plans_its_chunks_from_what_its_chunk_steps_took(monke
     """P's fit comes mostly from whole-prompt steps, where a token costs less than in a small chunk
     beside its streams: chunks planned from it alone run past max_step_ms. P learns a token's cost in its own chunk steps, as D does for its local prompts."""
     clock = _Clock()
-    monkeypatch.setattr(scheduler_module, "time", clock)
+    monkeypatch.setattr(step_pacing_module, "time", clock)
     limits: list[int] = []
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, max_step_ms=50)
     s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
-    s.scheduler._costs = fitted(per_token_s=0.001)
+    s.scheduler._pacer.costs = fitted(per_token_s=0.001)
     whole = VllmLikeRequest(SELF_ID + "-d", consumer_params(), 4000)
     assert s.scheduler.get_num_new_matched_tokens(whole, 0) == (0, False)
 

@@ -101,7 +101,7 @@ def test_p_serving_streams_keeps_its_prefill_steps_within_max_step_ms():
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, max_step_ms=50)
     s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
     for tokens, decodes in [(0, 2), (64, 1), (256, 0), (0, 4), (128, 2), (512, 0), (32, 3), (16, 1)] * 3:
-        s.scheduler._costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)  # P's measured steps
+        s.scheduler._pacer.costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)  # P's measured steps
     whole = VllmLikeRequest(SELF_ID + "-d", consumer_params(), 200)
     assert s.scheduler.get_num_new_matched_tokens(whole, 0) == (0, False)  # served whole, prompt not computed
     s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1, whole.request_id: 64}))
@@ -130,7 +130,7 @@ def test_p_publishes_as_streams_only_requests_it_decodes(serve_decode):
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=serve_decode)
     s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512))
     for tokens, decodes in [(0, 2), (64, 1), (256, 0), (0, 4), (128, 2), (512, 0), (32, 3), (16, 1)] * 3:
-        s.scheduler._costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)
+        s.scheduler._pacer.costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)
 
     def published_after(output: SchedulerOutput) -> int:
         s.scheduler.build_connector_meta(output)
@@ -150,7 +150,7 @@ def test_p_with_streams_computes_one_prompt_at_a_time():
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, max_step_ms=50)
     s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
     for tokens, decodes in [(0, 2), (64, 1), (256, 0), (0, 4), (128, 2), (512, 0), (32, 3), (16, 1)] * 3:
-        s.scheduler._costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)
+        s.scheduler._pacer.costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)
     s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1}))  # P decodes a stream of its own
     first = VllmLikeRequest(SELF_ID + "-d1", consumer_params(), 200)
     second = VllmLikeRequest(SELF_ID + "-d2", consumer_params(), 200)

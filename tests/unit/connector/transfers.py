@@ -42,7 +42,7 @@ def hold(p: Instance, request_id="req-p", transfer_id="t1", blocks=P_BLOCKS, pro
 
 
 def remote_blocks(transfer_id="t1", blocks=D_BLOCKS, first_block=0, prompt_hash=PROMPT_HASH) -> RemoteBlocks:
-    return RemoteBlocks(transfer_id, list(blocks), first_block, prompt_hash, time.time() + 5)
+    return RemoteBlocks(transfer_id, list(blocks), first_block, prompt_hash, 5.0)
 
 
 def write_done(transfer_id="t1", ok=True, error="", prompt_hash=PROMPT_HASH) -> WriteDone:

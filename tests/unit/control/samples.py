@@ -5,8 +5,6 @@ codec (placement's load and status, imported here so the registry holds them).""
 
 from __future__ import annotations
 
-import time
-
 import pdserve.placement.messages  # noqa: F401
 from pdserve.control.messages import field_types
 

@@ -7,10 +7,19 @@ import msgpack
 import pytest
 
 from pdserve.control.codec import MAX_FRAME_BYTES, Codec, is_addressed
-from pdserve.control.messages import (MESSAGE_TYPES, HandshakeReply, HandshakeRequest, Ping, ReadAck, ReadDone, Release,
-                                      WriteDone, field_types)
-from tests.unit.control.samples import example
+from pdserve.control.messages import (
+    MESSAGE_TYPES,
+    HandshakeReply,
+    HandshakeRequest,
+    Ping,
+    ReadAck,
+    ReadDone,
+    Release,
+    WriteDone,
+    field_types,
+)
 from pdserve.errors import AuthenticationError, FencedError, ProtocolError
+from tests.unit.control.samples import example
 
 SECRET = b"test-secret"
 EXAMPLES = [example(cls) for cls in MESSAGE_TYPES.values()] + [

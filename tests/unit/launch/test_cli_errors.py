@@ -7,7 +7,6 @@ import sys
 import pytest
 
 
-
 def pdserve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=120)
 

@@ -148,6 +148,7 @@ def test_adaptive_read_is_read_with_room_on_p_for_the_legs_it_leaves_to_d():
 
 def test_adaptive_can_declare_the_slo_it_serves():
     import json
+
     from pdserve.launch.cli import options_from
     options = options_from(build_parser().parse_args(["up", "--mode", "adaptive", "--slo", "ttft<500,mean_itl<40"]))
     d = plan(replace(options, model="/m", port=18500, cores=(0, 1)))

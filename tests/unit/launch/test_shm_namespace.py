@@ -21,6 +21,7 @@ from pdserve.launch.shm_namespace import (
 from pdserve.launch.shm_sweep import holders
 from tests.unit.launch.fakes import host_entries, shm_holder
 
+
 def test_wrap_runs_the_command_in_a_new_mount_namespace_with_a_sized_tmpfs():
     argv = ShmNamespace(5 << 30).wrap(("taskset", "-c", "0", "python", "-m", "x", "--arg", "a b"))
     assert argv[:5] == ("unshare", "--mount", "--propagation", "private", "--")

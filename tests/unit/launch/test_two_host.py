@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch.options import UpOptions
+from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch.two_host import CHUNK_TOKENS, NETWORK, TIMEOUTS, TwoHostPD, metric
 
 SECRET = Path("/nonexistent/secret")
@@ -61,7 +61,8 @@ def test_metric_sums_the_samples_with_the_labels():
 
 
 def test_the_script_still_exports_the_harness():
-    from scripts.two_host import TwoHostPD as exported, metric as exported_metric
+    from scripts.two_host import TwoHostPD as exported
+    from scripts.two_host import metric as exported_metric
 
     assert exported is TwoHostPD and exported_metric is metric
 

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.launch.pd_modes import PortLayout, pd_deployment
 from pdserve.errors import ConfigError
 from pdserve.launch import UpOptions, plan
 from pdserve.launch.cli import instance_lines, options_from
 from pdserve.launch.cores import divide_cores, split
+from pdserve.launch.pd_modes import PortLayout, pd_deployment
 
 
 def config_of(instance) -> dict:

@@ -1,0 +1,70 @@
+"""P, READ: prefill legs whose blocks P holds, once the prompt is computed, for D to read.
+
+The leg ends with its prompt computed; P keeps its blocks (HoldSpec) until D released them or the
+hold expires, and answers with kv_transfer_params naming them (params.py), which vllm-router hands
+to the decode leg. A leg placed on D (placement/read_mode.py) was cut to one token and holds nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable
+
+from pdserve.config import ConnectorConfig, Role
+from pdserve.connector.leg import Leg, LegStatus
+from pdserve.connector.metadata import HoldSpec, StepPlan
+from pdserve.connector.prompt_digest import request_digest
+from pdserve.control.address import PeerAddress
+from pdserve.errors import ProtocolError
+from pdserve.params import Held, build_transfer_params, parse_transfer_params
+from pdserve.placement.decision import Decision, Placement
+
+logger = logging.getLogger("pdserve.connector")
+
+
+class PrefillHold:
+    def __init__(self, config: ConnectorConfig, block_size: int, plan: Callable[[], StepPlan]):
+        self._config = config
+        self._block_size = block_size
+        self._plan = plan  # the StepPlan being built
+        self._own = PeerAddress(config.host_ip, config.handshake_port, config.notify_port)
+        self._held: dict[str, Leg] = {}  # legs ended whose blocks P holds until the worker reports the hold over
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def finished(self, request, block_ids: list[int], decision: Decision | None) -> tuple[bool, dict[str, Any] | None]:
+        """The request ended: whether P holds its blocks, and the kv_transfer_params it answers with."""
+        rid = request.request_id
+        try:
+            params = parse_transfer_params(request.kv_transfer_params, rid, Role.PRODUCER)
+        except ProtocolError as exc:
+            logger.error("pdserve: request %s: bad kv_transfer_params, not holding its KV: %s", rid, exc)
+            return False, None
+        if params is None or not _prefill_complete(request):
+            return False, None
+        if decision is not None and decision.placement is Placement.LOCAL:  # cut to one token: nothing held
+            return False, build_transfer_params(params.transfer_id, self._config.engine_id, self._own, None, decision)
+        num_blocks = math.ceil(request.num_prompt_tokens / self._block_size)
+        if len(block_ids) < num_blocks:
+            return False, None
+        held = Held(tuple(block_ids[:num_blocks]), time.time() + self._config.defer_timeout, request_digest(request))
+        leg = Leg(request, params)
+        leg.to(LegStatus.HELD)
+        self._held[rid] = leg
+        self._plan().holds.append(HoldSpec(rid, params.transfer_id, held.block_ids, held.expires_at, held.prompt_hash))
+        return True, build_transfer_params(params.transfer_id, self._config.engine_id, self._own, held, decision)
+
+    def released(self, request_id: str) -> None:
+        """The worker reported the hold over (D read the blocks, released them, or the hold expired)."""
+        self._held.pop(request_id, None)
+
+
+def _prefill_complete(request) -> bool:
+    """A prefill leg that computed its whole prompt and ended normally (its max_tokens, or a stop
+    or EOS token as its first token) hands over its KV; one aborted or failed does not."""
+    finished_normally = getattr(request.status, "name", None) in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+    return finished_normally and request.num_computed_tokens >= request.num_prompt_tokens
