@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 
 from pdserve.errors import TransferError
-from pdserve.transport import CopyOp, Direction, RegionDescriptor, RegionOps, SharedSegment, ShmTransport, TransferStatus, segment_name
+from pdserve.transport import (
+    CopyOp,
+    Direction,
+    RegionDescriptor,
+    RegionOps,
+    SharedSegment,
+    ShmTransport,
+    TransferStatus,
+    segment_name,
+)
 from pdserve.transport import shm as shm_module
 from pdserve.transport.nixl_agent import XferState
 
