@@ -20,6 +20,8 @@ import inspect
 import logging
 import sys
 
+from pdserve.vllm_logging import route_logs_to_vllm
+
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 REWIND = "gen.set_offset(gen.get_offset() - 4)"
 PATCHED_MARK = "_pdserve_keeps_cpu_generators"
@@ -47,7 +49,7 @@ def patch_model_runner(runner_class: type) -> bool:
         return True
     problem = _unexpected(runner_class)
     if problem is not None:
-        _route_logs_to_vllm()
+        route_logs_to_vllm()
         logger.warning("pdserve: seeded sampling on CPU left unpatched: %s", problem)
         return False
     sample, bookkeeping = runner_class._sample, runner_class._bookkeeping_sync
@@ -75,7 +77,7 @@ def patch_model_runner(runner_class: type) -> bool:
     runner_class._sample = _sample
     runner_class._bookkeeping_sync = _bookkeeping_sync
     setattr(runner_class, PATCHED_MARK, True)
-    _route_logs_to_vllm()
+    route_logs_to_vllm()
     logger.info(
         "pdserve: seeded sampling on CPU patched: a request's CPU generator is restored after a "
         "step that discards its sample (vLLM's offset rewind works on GPU generators only)")
@@ -117,16 +119,6 @@ def _unexpected(runner_class: type) -> str | None:
         if expected not in source:
             return f"_bookkeeping_sync no longer contains {expected!r}"
     return None
-
-
-def _route_logs_to_vllm() -> None:
-    """pdserve's modules log to "pdserve.*"; in a vLLM process, print them like vLLM's own."""
-    ours, theirs = logging.getLogger("pdserve"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

@@ -15,7 +15,6 @@ import logging
 from typing import Any
 
 import vllm
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -23,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdserve.config import parse_connector_config
 from pdserve.connector.metadata import StepPlan
@@ -31,16 +31,7 @@ from pdserve.connector.scheduler import PDScheduler
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
 from pdserve.connector.worker import PDWorker
 from pdserve.placement.inbox import WorkerNews
-
-
-def _route_logs_to_vllm() -> None:
-    """pdserve's modules log to "pdserve.*"; in a vLLM process, print them like vLLM's own."""
-    ours, theirs = logging.getLogger("pdserve"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
+from pdserve.vllm_logging import route_logs_to_vllm
 
 
 def _model_fingerprint(vllm_config) -> dict:
@@ -99,7 +90,7 @@ class PDConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        _route_logs_to_vllm()
+        route_logs_to_vllm()
         transfer_config = vllm_config.kv_transfer_config
         self._config = parse_connector_config(transfer_config.kv_role, transfer_config.kv_connector_extra_config)
         self._scheduler: PDScheduler | None = None

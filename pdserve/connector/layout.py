@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pdserve.errors import IncompatiblePeerError, ProtocolError
 from pdserve.transport.base import CopyOp, RegionOps, merge_contiguous
 
-
 MAX_LAYERS = 4096
 MAX_REGION_ID = (1 << 16) - 1
 MAX_OFFSET = 1 << 48  # bytes: far beyond any KV cache, far below int64 overflow

@@ -11,16 +11,24 @@ seen on an instance leads it and does what a leg with n = 1 does; the others fol
 * on D a follower waits until its leader's prompt is in D's cache (its KV landed, or D computed
   it), then takes it from vLLM's prefix cache and computes only the rest.
 
+vLLM adds the children one by one, so a leader can end before a sibling is first seen (P: a prompt
+in its prefix cache takes one step). A family whose legs all ended is kept for ENDED_KEEP_S, and a
+sibling that arrives meanwhile follows it, its leader already done.
+
 A follower must never cancel the transfer, which is its leader's. Free of vLLM.
 """
 
 from __future__ import annotations
 
 import re
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 _CHILD = re.compile(r"[0-9]+_(.+)", re.DOTALL)
+ENDED_KEEP_S = 60.0  # how long a family whose legs all ended waits for a sibling vLLM adds late
+MAX_ENDED = 1024  # ended families kept at most (the oldest go first)
 
 
 def parent_id(request_id: str) -> str:
@@ -47,9 +55,11 @@ class Family:
 class Siblings:
     """The families of this instance's live legs, by transfer id."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
         self._families: dict[str, Family] = {}
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id, for every member
+        self._ended: OrderedDict[str, tuple[float, Family]] = OrderedDict()  # transfer id -> (ended at, family)
+        self._clock = clock
 
     def join(self, request, transfer_id: str) -> Family | None:
         """Register `request` as a leg of `transfer_id` (again: a no-op); its family if it follows
@@ -57,7 +67,7 @@ class Siblings:
         rid = request.request_id
         if rid in self._transfer_of:
             return self.follower(rid)
-        family = self._families.get(transfer_id)
+        family = self._families.get(transfer_id) or self._revive(transfer_id, parent_id(rid))
         if family is None:
             family = self._families[transfer_id] = Family(request, parent_id(rid))
         elif family.parent != parent_id(rid):
@@ -91,3 +101,21 @@ class Siblings:
             family.leader_done = True
         if not family.members:
             del self._families[transfer_id]
+            self._ended[transfer_id] = (self._clock(), family)
+            self._ended.move_to_end(transfer_id)
+        self._expire()
+
+    def _revive(self, transfer_id: str, parent: str) -> Family | None:
+        """The ended family of `transfer_id` if `parent` split it, live again for a late sibling."""
+        self._expire()
+        ended = self._ended.get(transfer_id)
+        if ended is None or ended[1].parent != parent:
+            return None
+        del self._ended[transfer_id]
+        self._families[transfer_id] = ended[1]
+        return ended[1]
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._ended and (len(self._ended) > MAX_ENDED or now - next(iter(self._ended.values()))[0] > ENDED_KEEP_S):
+            self._ended.popitem(last=False)

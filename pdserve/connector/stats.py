@@ -63,6 +63,41 @@ class PDConnectorStats(KVConnectorStats):
         return not any(self.data.get(key) for key in _EMPTY)
 
 
+# (key in the stats dict, metric name, documentation); a list value counts its sum
+COUNTERS = (
+    ("num_completed", "pdserve:kv_transfers_completed", "KV transfers completed by pdserve."),
+    ("num_failed", "pdserve:kv_transfers_failed", "KV transfers that failed or timed out."),
+    ("num_bytes", "pdserve:kv_transfer_bytes", "Bytes of KV cache moved by pdserve."),
+    ("seconds", "pdserve:kv_transfer_seconds", "Seconds spent in completed KV transfers."),
+    ("copy_bytes", "pdserve:kv_copy_bytes", "Bytes this instance's transport copied."),
+    ("copy_seconds", "pdserve:kv_copy_seconds", "Seconds this instance's transport spent copying."),
+    ("num_rejected", "pdserve:control_messages_rejected",
+     "Control-plane messages rejected (undecodable, unauthenticated, replayed, fenced)."),
+    ("num_fenced", "pdserve:kv_transfers_fenced", "KV transfers failed because their peer incarnation restarted or died."),
+    ("num_refused", "pdserve:kv_transfers_refused", "KV transfers refused: peer not in allowed_peers."),
+    ("num_recomputed", "pdserve:kv_recomputed", "Requests whose KV did not arrive and that decode prefilled itself."),
+)
+# (key, name, documentation, buckets): one observation per list item
+HISTOGRAMS = (
+    ("seconds", "pdserve:kv_transfer_duration_seconds",
+     "Seconds from announce (WRITE) or hold (READ) to completion, per completed KV transfer.", DURATION_BUCKETS_S),
+    ("transfer_bytes", "pdserve:kv_transfer_size_bytes", "Bytes of KV delivered per completed transfer.",
+     SIZE_BUCKETS_BYTES),
+    ("handshake_seconds", "pdserve:kv_handshake_duration_seconds",
+     "Seconds from handshake request to reply, per answered handshake.", DURATION_BUCKETS_S),
+    ("remote_paths", "pdserve:remote_path_seconds",
+     "Decode: per prompt it sent to a prefill instance, seconds from its placement decision to its first token "
+     "beyond the prefill compute it estimated.", DURATION_BUCKETS_S),
+)
+# (key, name, documentation): the list's last value, as of the instance's last step
+GAUGES = (
+    ("prefill_queued_tokens", "pdserve:prefill_queued_tokens",
+     "Prompt tokens this prefill instance accepted and has not computed."),
+    ("serving_decode", "pdserve:serving_decode",
+     "1 while this prefill instance also serves whole requests (registered as a decode instance: serve_decode)."),
+)
+
+
 class PDPromMetrics(KVConnectorPromMetrics):
     """On each instance's /metrics. Counters: `pdserve:kv_transfers_completed_total`, `..._failed_total`,
     `pdserve:kv_transfer_bytes_total` (KV delivered by completed transfers),
@@ -98,83 +133,41 @@ class PDPromMetrics(KVConnectorPromMetrics):
             metric = self._histogram_cls(name=name, documentation=doc, buckets=list(buckets), labelnames=labelnames)
             return create_metric_per_engine(metric, per_engine_labelvalues)
 
-        self._completed = counter("pdserve:kv_transfers_completed", "KV transfers completed by pdserve.")
-        self._failed = counter("pdserve:kv_transfers_failed", "KV transfers that failed or timed out.")
-        self._bytes = counter("pdserve:kv_transfer_bytes", "Bytes of KV cache moved by pdserve.")
-        self._seconds = counter("pdserve:kv_transfer_seconds", "Seconds spent in completed KV transfers.")
-        self._copy_bytes = counter("pdserve:kv_copy_bytes", "Bytes this instance's transport copied.")
-        self._copy_seconds = counter("pdserve:kv_copy_seconds", "Seconds this instance's transport spent copying.")
-        self._rejected = counter("pdserve:control_messages_rejected",
-                                 "Control-plane messages rejected (undecodable, unauthenticated, replayed, fenced).")
-        self._fenced = counter("pdserve:kv_transfers_fenced",
-                               "KV transfers failed because their peer incarnation restarted or died.")
-        self._refused = counter("pdserve:kv_transfers_refused", "KV transfers refused: peer not in allowed_peers.")
-        self._recomputed = counter("pdserve:kv_recomputed",
-                                   "Requests whose KV did not arrive and that decode prefilled itself.")
+        self._counters = {key: counter(name, doc) for key, name, doc in COUNTERS}
+        self._histograms = {key: histogram(name, doc, buckets) for key, name, doc, buckets in HISTOGRAMS}
+        self._gauges = {key: create_metric_per_engine(
+                            self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                            multiprocess_mode="mostrecent"), per_engine_labelvalues)
+                        for key, name, doc in GAUGES}
         placement = self._counter_cls(name="pdserve:placements", labelnames=[*labelnames, "placement", "reason"],
                                       documentation="Placement decisions of decode: prefill remote (on P) or local.")
         self._placement_metric, self._labels = placement, per_engine_labelvalues
         self._placement_children: dict[tuple[int, str], Any] = {}
-        queued = self._gauge_cls(name="pdserve:prefill_queued_tokens", labelnames=labelnames,
-                                 documentation="Prompt tokens this prefill instance accepted and has not computed.",
-                                 multiprocess_mode="mostrecent")
-        self._queued = create_metric_per_engine(queued, per_engine_labelvalues)
-        serving = self._gauge_cls(name="pdserve:serving_decode", labelnames=labelnames,
-                                  documentation="1 while this prefill instance also serves whole requests "
-                                                "(registered as a decode instance: serve_decode).",
-                                  multiprocess_mode="mostrecent")
-        self._serving = create_metric_per_engine(serving, per_engine_labelvalues)
-        self._duration = histogram("pdserve:kv_transfer_duration_seconds",
-                                   "Seconds from announce (WRITE) or hold (READ) to completion, per completed KV transfer.",
-                                   DURATION_BUCKETS_S)
-        self._size = histogram("pdserve:kv_transfer_size_bytes", "Bytes of KV delivered per completed transfer.",
-                               SIZE_BUCKETS_BYTES)
         chunk_steps = self._counter_cls(name="pdserve:local_chunk_steps", labelnames=[*labelnames, "bound"],
                                         documentation="Decode's steps with a chunk of local prefill, by whether "
                                                       "they kept the step bound the chunk was sized for.")
         self._chunk_steps = {idx: {b: chunk_steps.labels(*values, b) for b in CHUNK_STEP_BOUNDS}
                              for idx, values in per_engine_labelvalues.items()}
-        self._remote_path = histogram("pdserve:remote_path_seconds",
-                                      "Decode: per prompt it sent to a prefill instance, seconds from its placement "
-                                      "decision to its first token beyond the prefill compute it estimated.",
-                                      DURATION_BUCKETS_S)
         self._peers_attached = _per_transport(self._counter_cls, labelnames, per_engine_labelvalues)
-        self._handshake = histogram("pdserve:kv_handshake_duration_seconds",
-                                    "Seconds from handshake request to reply, per answered handshake.",
-                                    DURATION_BUCKETS_S)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
-        self._completed[engine_idx].inc(transfer_stats_data.get("num_completed", 0))
-        self._failed[engine_idx].inc(transfer_stats_data.get("num_failed", 0))
-        self._bytes[engine_idx].inc(transfer_stats_data.get("num_bytes", 0))
-        self._seconds[engine_idx].inc(sum(transfer_stats_data.get("seconds", [])))
-        self._copy_bytes[engine_idx].inc(transfer_stats_data.get("copy_bytes", 0))
-        self._copy_seconds[engine_idx].inc(transfer_stats_data.get("copy_seconds", 0.0))
-        self._rejected[engine_idx].inc(transfer_stats_data.get("num_rejected", 0))
-        self._fenced[engine_idx].inc(transfer_stats_data.get("num_fenced", 0))
-        self._refused[engine_idx].inc(transfer_stats_data.get("num_refused", 0))
-        self._recomputed[engine_idx].inc(transfer_stats_data.get("num_recomputed", 0))
-        for seconds in transfer_stats_data.get("seconds", []):
-            self._duration[engine_idx].observe(seconds)
-        for num_bytes in transfer_stats_data.get("transfer_bytes", []):
-            self._size[engine_idx].observe(num_bytes)
-        for seconds in transfer_stats_data.get("handshake_seconds", []):
-            self._handshake[engine_idx].observe(seconds)
+        for key, metric in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            metric[engine_idx].inc(sum(value) if isinstance(value, list) else value)
+        for key, metric in self._histograms.items():
+            for value in transfer_stats_data.get(key, []):
+                metric[engine_idx].observe(value)
+        for key, metric in self._gauges.items():
+            values = transfer_stats_data.get(key, [])
+            if values:
+                metric[engine_idx].set(values[-1])
         for transport in transfer_stats_data.get("peers_attached", []):
             self._peers_attached[engine_idx][transport].inc()
         for label in transfer_stats_data.get("placements", []):
             self._placement_child(engine_idx, label).inc()
-        for seconds in transfer_stats_data.get("remote_paths", []):
-            self._remote_path[engine_idx].observe(seconds)
         for bound in transfer_stats_data.get("chunk_steps", []):
             if bound in CHUNK_STEP_BOUNDS:
                 self._chunk_steps[engine_idx][bound].inc()
-        queue = transfer_stats_data.get("prefill_queued_tokens", [])
-        if queue:
-            self._queued[engine_idx].set(queue[-1])
-        serving = transfer_stats_data.get("serving_decode", [])
-        if serving:
-            self._serving[engine_idx].set(serving[-1])
 
     def _placement_child(self, engine_idx: int, label: str):
         key = (engine_idx, label)

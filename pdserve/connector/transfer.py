@@ -1,20 +1,23 @@
 """One `Transfer` object per request leg, with a status enum; every transition is here.
 
-A transfer moves one request's prompt KV blocks between P and D. Its life:
+A transfer moves one request's prompt KV blocks between P and D. Its phases:
 
-    WAITING ──▶ COPYING ──▶ DONE
-       │           │
-       └───────────┴──────▶ FAILED
+    WAITING ─┬─▶ ANNOUNCED   D WRITE: RemoteBlocks sent; waits for P's WriteDone
+             ├─▶ COPYING ──▶ CONFIRMING   D READ: copies done; waits for P's ReadAck
+             ├─▶ DONE        P READ hold: D's ReadDone matched
+             └─▶ STOPPING / FAILED
+    ANNOUNCED, COPYING, CONFIRMING ─▶ DONE | STOPPING | FAILED
+    STOPPING ─▶ FAILED   once no copy can touch the blocks any more
 
-WAITING: blocked on the peer (D's block ids or a handshake for a P write; P's `write_done` for a
-D receive; D's `release` for a P hold). COPYING: blocks are moving. DONE and FAILED are
-terminal: a late message for a terminal transfer is ignored and never revives it.
+WAITING: blocked on the peer (D's block ids or a handshake for a P write; a handshake for a D
+receive; D's ReadDone or Release for a P hold). STOPPING: winding down (its reason in `error`):
+no new copies; it fails once nothing can touch its blocks. DONE and FAILED are terminal: a late
+message for a terminal transfer is ignored and never revives it. Every other move raises
+`IllegalTransition` naming the expected and the actual state.
 
-A transfer is bound to one peer *incarnation* (`peer_identity`) the first time it talks to or
+A transfer is bound to one peer *incarnation* (`link.identity`) the first time it talks to or
 copies with a peer; every later message must come from that incarnation, every copy goes to its
-mapping, and a different incarnation at the same address fails the transfer. A D-side transfer
-reaches FAILED only when no copy can still touch its blocks (P confirmed it stopped, P is
-provably dead, or the write window D granted has provably closed: see engine.py).
+mapping, and a different incarnation at the same address fails the transfer.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ class Side(Enum):
 
 class TransferState(Enum):
     WAITING = "waiting"
+    ANNOUNCED = "announced"
     COPYING = "copying"
+    CONFIRMING = "confirming"
+    STOPPING = "stopping"
     DONE = "done"
     FAILED = "failed"
 
@@ -46,9 +52,13 @@ class TransferState(Enum):
         return self in (TransferState.DONE, TransferState.FAILED)
 
 
+_ENDINGS = {TransferState.DONE, TransferState.STOPPING, TransferState.FAILED}
 _ALLOWED = {
-    TransferState.WAITING: {TransferState.COPYING, TransferState.DONE, TransferState.FAILED},
-    TransferState.COPYING: {TransferState.DONE, TransferState.FAILED},
+    TransferState.WAITING: {TransferState.ANNOUNCED, TransferState.COPYING} | _ENDINGS,
+    TransferState.ANNOUNCED: _ENDINGS,
+    TransferState.COPYING: {TransferState.CONFIRMING} | _ENDINGS,
+    TransferState.CONFIRMING: _ENDINGS,
+    TransferState.STOPPING: {TransferState.FAILED},
     TransferState.DONE: set(),
     TransferState.FAILED: set(),
 }
@@ -56,6 +66,42 @@ _ALLOWED = {
 
 class IllegalTransition(PDServeError):
     pass
+
+
+@dataclass
+class PeerLink:
+    """Which peer incarnation the transfer is bound to, and what waits for that binding."""
+
+    identity: str | None = None  # the peer incarnation this transfer is bound to
+    incarnation: Incarnation | None = None  # D: that incarnation, to tell whether it still lives
+    refreshed: bool = False  # the peer was handshaken again once for this transfer
+    deferred: list = field(default_factory=list)  # (sender, message, received) that arrived before binding
+
+
+@dataclass
+class Copies:
+    """The copies this side submitted for the transfer."""
+
+    layers_ready: set[int] = field(default_factory=set)  # P WRITE: layers computed so far
+    layers_submitted: set[int] = field(default_factory=set)
+    handles: list = field(default_factory=list)
+    num_bytes: int = 0
+    not_after: float | None = None  # P WRITE: monotonic time after which no byte of ours may land
+
+    @property
+    def pending(self) -> list:
+        return [h for h in self.handles if h.status is TransferStatus.PENDING]
+
+
+@dataclass
+class WriteWindow:
+    """D WRITE: the write window granted to P by the announcement (see transfers/write_recv.py)."""
+
+    announced_at: float  # monotonic time the announcement was queued
+    write_for: float  # seconds P may write our blocks
+    fence: float | None = None  # monotonic time after which P provably stopped
+    peer_cpu_at_fence: int | None = None  # P on this host: its CPU ticks when the fence passed
+    next_release: float = 0.0  # P on this host: when to ask again for its WriteDone
 
 
 @dataclass(eq=False)
@@ -72,24 +118,9 @@ class Transfer:
     prompt_hash: str = ""  # digest of the prompt's token ids (prompt_digest.py)
     state: TransferState = TransferState.WAITING
     error: str = ""
-    peer_identity: str | None = None  # the peer incarnation this transfer is bound to
-    peer_incarnation: Incarnation | None = None  # D: that incarnation, to tell whether it still lives
-    refreshed: bool = False  # the peer was handshaken again once for this transfer
-    layers_ready: set[int] = field(default_factory=set)  # P WRITE: layers computed this step
-    layers_submitted: set[int] = field(default_factory=set)
-    handles: list = field(default_factory=list)
-    num_bytes: int = 0
-    announced: bool = False  # D WRITE: RemoteBlocks sent, so P may write our blocks for write_for s
-    announced_at: float = 0.0  # D WRITE: monotonic time the announcement was queued
-    write_for: float = 0.0  # D WRITE: the write window granted to P (seconds)
-    not_after: float | None = None  # P WRITE: monotonic time after which no byte of ours may land
-    peer_cpu_at_fence: int | None = None  # D WRITE, P on this host: P's CPU ticks when the fence passed
-    next_release: float = 0.0  # D WRITE, P on this host: when to ask again for P's WriteDone
-    stopping: str = ""  # why it is winding down: P stops copying / D waits for P to confirm
-    fence_deadline: float | None = None  # D WRITE: monotonic time after which P provably stopped
-    hold_expires_at: float | None = None  # D READ: unix time after which P may free its blocks
-    confirming: bool = False  # D READ: copies done, waiting for P to confirm it held those blocks
-    deferred: list = field(default_factory=list)  # (sender, message) that arrived before binding
+    link: PeerLink = field(default_factory=PeerLink)
+    copies: Copies = field(default_factory=Copies)
+    window: WriteWindow | None = None  # D WRITE, once announced
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
 
@@ -100,9 +131,24 @@ class Transfer:
             )
         self.state = new
 
+    def announce(self, window: WriteWindow) -> None:
+        self._move(TransferState.ANNOUNCED)
+        self.window = window
+
     def start_copying(self) -> None:
         if self.state is not TransferState.COPYING:
             self._move(TransferState.COPYING)
+
+    def confirm(self) -> None:
+        self._move(TransferState.CONFIRMING)
+
+    def stop(self, reason: str) -> bool:
+        """Enter STOPPING with `reason`; False (and nothing changes) when already stopping."""
+        if self.state is TransferState.STOPPING:
+            return False
+        self._move(TransferState.STOPPING)
+        self.error = reason
+        return True
 
     def succeed(self) -> None:
         self._move(TransferState.DONE)
@@ -114,17 +160,22 @@ class Transfer:
         self.finished_at = time.monotonic()
 
     @property
+    def stopping(self) -> bool:
+        return self.state is TransferState.STOPPING
+
+    @property
     def seconds(self) -> float:
         end = self.finished_at if self.finished_at is not None else time.monotonic()
         return end - self.created_at
 
     def describe(self) -> str:
         """One line of state for logs: what a stuck or failed transfer was waiting for."""
-        handles = ",".join(h.status.value for h in self.handles) or "none"
+        handles = ",".join(h.status.value for h in self.copies.handles) or "none"
         return (f"{self.side.value} {self.mode.value} state={self.state.value} age={self.seconds:.2f}s "
-                f"peer={self.peer_identity or '-'} stopping={self.stopping or '-'} "
+                f"peer={self.link.identity or '-'} error={self.error or '-'} "
                 f"remote_blocks={'yes' if self.remote_block_ids is not None else 'no'} "
-                f"layers ready={len(self.layers_ready)} submitted={len(self.layers_submitted)} copies={handles}")
+                f"layers ready={len(self.copies.layers_ready)} submitted={len(self.copies.layers_submitted)} "
+                f"copies={handles}")
 
     def block_pairs(self) -> list[tuple[int, int]]:
         """(local, remote) block pairs to move, from `first_block` on. Both sides must name the
@@ -133,7 +184,3 @@ class Transfer:
         if len(remote) != len(self.local_block_ids):
             raise PDServeError(f"block counts differ: {len(self.local_block_ids)} here, {len(remote)} on the peer")
         return [(self.local_block_ids[i], remote[i]) for i in range(self.first_block, len(remote))]
-
-    @property
-    def pending_handles(self) -> list:
-        return [h for h in self.handles if h.status is TransferStatus.PENDING]

@@ -5,9 +5,9 @@ from pdserve.transport.base import (
     Direction,
     RegionDescriptor,
     RegionOps,
-    Transport,
     TransferHandle,
     TransferStatus,
+    Transport,
     block_copy_ops,
     merge_contiguous,
 )

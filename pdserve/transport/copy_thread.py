@@ -20,7 +20,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
-from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, Transport, TransferHandle, TransferStatus
+from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, TransferHandle, TransferStatus, Transport
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pdserve.errors import ConfigError, TransferError
-from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, Transport, TransferHandle, TransferStatus
+from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, TransferHandle, TransferStatus, Transport
 from pdserve.transport.nixl_agent import NIXL_PACKAGE, nixl_installed
 
 logger = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 import requests
 
 from pdserve.compare import fetch_greedy
-from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch import Cluster, UpOptions, plan
 from pdserve.launch.env import cache_dir
+from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch.process import group_members
 from pdserve.launch.samples import metric, parse_samples  # noqa: F401  (metric: used by the tests through here)
 from pdserve.model.build import resolve_model

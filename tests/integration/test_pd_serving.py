@@ -16,11 +16,11 @@ import requests
 import zmq
 
 from pdserve.compare import compare_greedy
-from pdserve.launch.pd_modes import secret_file
 from pdserve.control.codec import Codec
-from pdserve.control.messages import HandshakeRefused, HandshakeRequest, Release, WriteDone
 from pdserve.control.endpoint import Client
+from pdserve.control.messages import HandshakeRefused, HandshakeRequest, Release, WriteDone
 from pdserve.control.secret import load_secret
+from pdserve.launch.pd_modes import secret_file
 from tests.integration.pd_helpers import (
     CHUNK_TOKENS,
     TIMEOUTS,
@@ -33,8 +33,8 @@ from tests.integration.pd_helpers import (
     prompts,
     wait_idle,
 )
-from tests.integration.seeded_requests import check_seeded_requests
 from tests.integration.request_shapes import check_n_choices
+from tests.integration.seeded_requests import check_seeded_requests
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,19 @@ import requests
 
 from pdserve.compare import compare_greedy
 from pdserve.placement.serve_gate import MIN_OPEN_S
+from tests.integration.pd_helpers import (
+    collocated_reference,
+    greedy,
+    metric,
+    metrics,
+    model_name,
+    moved,
+    pd_pair,
+    prompts,
+    snapshot,
+    wait_idle,
+)
 from tests.integration.request_shapes import check_prompt_answers
-from tests.integration.pd_helpers import (collocated_reference, greedy, metric, metrics, model_name, moved,
-                                          pd_pair, prompts, snapshot, wait_idle)
 
 pytestmark = pytest.mark.integration
 

@@ -21,9 +21,11 @@ from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params
 from pdserve.placement.decision import Decision, Placement, Reason
 from pdserve.placement.decode_load import DecodeLoad
+from pdserve.placement.inbox import PUBLISH_EVERY_S
 from pdserve.placement.messages import MAX_PREFILL_PEERS, DecodeStatus
 from pdserve.placement.policy import PlacementPolicy
 from pdserve.placement.read_mode import peer_key
+from pdserve.placement.serve_gate import STATUS_EVERY_S
 from pdserve.placement.status_view import status_of
 
 logger = logging.getLogger("pdserve.connector")
@@ -42,6 +44,8 @@ class DecodeReceive:
         self._legs: dict[str, Leg] = {}
         self._placed_local: dict[str, int] = {}  # READ: per prefill instance, the prompts it left us that we took
         self._next_placement_log = 0.0
+        self._status_every_s = STATUS_EVERY_S if config.mode is TransferMode.WRITE else PUBLISH_EVERY_S
+        self._next_status = 0.0 if config.placement.adaptive else math.inf  # static placement publishes none
 
     # ---- vLLM's hooks ----------------------------------------------------------------------
 
@@ -126,8 +130,14 @@ class DecodeReceive:
         elif leg.status is LegStatus.RECEIVING:
             self._cancel(leg, "request ended while its KV was on the way")
 
-    def status(self) -> DecodeStatus:
-        """Our side of P's placement decisions (placement/status_view.py)."""
+    def status(self) -> DecodeStatus | None:
+        """Adaptive placement, when due. READ: our side of P's placement decisions, every
+        PUBLISH_EVERY_S (placement/status_view.py). WRITE: how loaded our streams are, for a P that
+        serves whole requests while they are (serve_gate.py), every STATUS_EVERY_S."""
+        now = time.monotonic()
+        if now < self._next_status:
+            return None
+        self._next_status = now + self._status_every_s
         return status_of(self._load.view(None), self._config.host_ip, self._config.handshake_port, time.time(),
                          self._placed_local)
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tests.unit.connector.request_status import RequestStatus
-
 from pdserve.config import TransferMode
 from pdserve.connector.prompt_digest import prompt_digest
 from pdserve.connector.scheduler import PDScheduler
 from tests.unit.connector.harness import make_config
+from tests.unit.connector.request_status import RequestStatus
 
 BLOCK_SIZE = 16
 HEX = "0123456789abcdef0123456789abcdef"

@@ -18,14 +18,14 @@ WRITE = TransferMode.WRITE
 
 
 def news(pair: Pair) -> dict:
-    out = pair.p.engine.take_news()
+    out = pair.p.engine.placement.take_news()
     return dict(out.decided) if out else {}
 
 
 def test_remote_blocks_before_or_after_the_leg_mean_prefill_here():
     with Pair(WRITE) as pair:
         pair.d.engine.add_recv(recv_spec(transfer_id="early"))  # D announces before P's leg arrives
-        pair.pump_until(lambda: "early" in pair.p.engine._early)
+        pair.pump_until(lambda: "early" in pair.p.engine._records.early)
         pair.p.engine.await_decision(AwaitSpec("leg-early", "early", D_ADDRESS))
         pair.p.engine.await_decision(AwaitSpec("leg-late", "late", D_ADDRESS))
         assert news(pair) == {"leg-early": True}
@@ -50,7 +50,7 @@ def test_a_release_before_or_after_the_leg_means_d_prefills_it():
         assert decided == {"leg": False}
         # a Release that came first (P never saw the leg) is remembered: the leg is dropped at once
         pair.d.engine.cancel(CancelSpec("t-first", P_ADDRESS, "decode computes this prompt itself"))
-        pair.pump_until(lambda: "t-first" in pair.p.engine._terminal)
+        pair.pump_until(lambda: "t-first" in pair.p.engine._records.terminal)
         pair.p.engine.await_decision(AwaitSpec("leg2", "t-first", D_ADDRESS))
         assert news(pair) == {"leg2": False}
 
@@ -60,7 +60,7 @@ def first_news(pair: Pair, engine, field: str) -> dict:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         pair.pump()
-        out = engine.take_news()
+        out = engine.placement.take_news()
         if out and getattr(out, field):
             return dict(getattr(out, field))
     return {}
@@ -71,8 +71,8 @@ def test_p_load_reaches_d_rate_limited():
         pair.p.engine.await_decision(AwaitSpec("leg", "t1", D_ADDRESS))  # P handshakes D
         pair.pump_until(lambda: pair.p.engine.num_peers == 1 and pair.p.engine._peers.ready())
         load = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 777, 0.001, 0.01, 512, time.time())
-        pair.p.engine.publish_load(load)
-        pair.p.engine.publish_load(load)  # within 20 ms: not sent again
+        pair.p.engine.placement.publish_load(load)
+        pair.p.engine.placement.publish_load(load)  # within 20 ms: not sent again
         got = first_news(pair, pair.d.engine, "loads")
         assert got[(P_ADDRESS.host, P_ADDRESS.handshake_port)].queued_tokens == 777
         sent = [s for s in pair.p.notifier.sent if isinstance(s.message, PrefillLoad)]
@@ -85,19 +85,18 @@ def test_read_d_status_reaches_p_rate_limited():
         pair.pump_until(lambda: pair.d.engine._peers.ready())
         status = status_of(DecodeView(2, 300, 0, 576, None, False), D_ADDRESS.host, D_ADDRESS.handshake_port,
                            time.time(), {"127.0.0.1:6301": 5})
-        pair.d.engine.publish_status(status)
-        pair.d.engine.publish_status(status)  # within 20 ms: not sent again
+        pair.d.engine.placement.publish_status(status)
+        pair.d.engine.placement.publish_status(status)  # within 20 ms: not sent again
         got = first_news(pair, pair.p.engine, "statuses")
         assert got == {(D_ADDRESS.host, D_ADDRESS.handshake_port): status}
         assert len([s for s in pair.d.notifier.sent if isinstance(s.message, DecodeStatus)]) == 1
-        assert pair.d.engine.take_news() is None  # a status is P's news, not D's
+        assert pair.d.engine.placement.take_news() is None  # a status is P's news, not D's
 
 
 def test_the_worker_hands_the_engine_every_message_but_the_handshake_and_ping():
     """A message type the worker's server does not pass on is dropped with a warning in a real
     deployment, whatever the engine would do with it (the engine tests above bypass the server)."""
     from pdserve.connector.worker import TRANSFER_MESSAGES
-    from pdserve.control.messages import (MESSAGE_TYPES, HandshakeRefused, HandshakeReply, HandshakeRequest, Ping,
-                                          Pong)
+    from pdserve.control.messages import MESSAGE_TYPES, HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong
     conversation = {HandshakeRequest, HandshakeReply, HandshakeRefused, Ping, Pong}
     assert set(TRANSFER_MESSAGES) == set(MESSAGE_TYPES.values()) - conversation

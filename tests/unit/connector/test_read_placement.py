@@ -13,8 +13,15 @@ from pdserve.placement.decision import Decision, Placement, Reason
 from pdserve.placement.inbox import PUBLISH_EVERY_S, WorkerNews
 from pdserve.placement.messages import DecodeStatus
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
-from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, ROUTER_ID, FakeBlocks, FakeRequest, Scheduler,
-                                                  SchedulerOutput, producer_params)
+from tests.unit.connector.scheduler_fakes import (
+    BLOCK_SIZE,
+    ROUTER_ID,
+    FakeBlocks,
+    FakeRequest,
+    Scheduler,
+    SchedulerOutput,
+    producer_params,
+)
 from tests.unit.connector.test_scheduler_placement import Output, VllmLikeRequest
 from tests.unit.placement.samples import D_KEY, P_KEY, d_status
 
@@ -143,7 +150,7 @@ def test_d_publishes_its_side_at_a_bounded_rate():
     write_d = Scheduler(PDScheduler(make_config("kv_consumer", TransferMode.WRITE, placement="adaptive"),
                                     BLOCK_SIZE, budget=64))
     assert isinstance(write_d.scheduler.build_connector_meta(SchedulerOutput({})).status, DecodeStatus)
-    assert write_d.scheduler._next_status - time.monotonic() > 10 * PUBLISH_EVERY_S
+    assert write_d.scheduler._decode._next_status - time.monotonic() > 10 * PUBLISH_EVERY_S
     assert write_d.scheduler.build_connector_meta(SchedulerOutput({})).status is None
     static_d = Scheduler(PDScheduler(make_config("kv_consumer", TransferMode.WRITE), BLOCK_SIZE, budget=64))
     assert static_d.scheduler.build_connector_meta(SchedulerOutput({})).status is None  # no placement, no status

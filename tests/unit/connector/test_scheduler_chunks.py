@@ -8,8 +8,13 @@ from pdserve.connector.scheduler import PDScheduler
 from pdserve.placement.chunk_headroom import MIN_SAMPLES
 from pdserve.placement.chunk_size import MIN_CHUNK, OVER, WITHIN
 from tests.unit.connector.harness import make_config
-from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, ConnectorOutput, Scheduler, SchedulerOutput,
-                                                  consumer_params)
+from tests.unit.connector.scheduler_fakes import (
+    BLOCK_SIZE,
+    ConnectorOutput,
+    Scheduler,
+    SchedulerOutput,
+    consumer_params,
+)
 from tests.unit.connector.test_scheduler_placement import VllmLikeRequest
 from tests.unit.connector.test_whole_requests import SELF_ID
 from tests.unit.placement.test_chunk_costs import fitted

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from tests.unit.connector.request_status import RequestStatus
 
 from pdserve.config import TransferMode
 from pdserve.connector.leg_truncation import truncate_to_one_token
@@ -16,9 +15,19 @@ from pdserve.connector.prompt_digest import embeds_digest
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.placement.inbox import WorkerNews
 from tests.unit.connector.harness import D_ADDRESS, make_config
-from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, ROUTER_ID, ConnectorOutput, FakeBlocks, FakeRequest,
-                                                  Scheduler, SchedulerOutput, consumer_params, make_scheduler,
-                                                  producer_params)
+from tests.unit.connector.request_status import RequestStatus
+from tests.unit.connector.scheduler_fakes import (
+    BLOCK_SIZE,
+    ROUTER_ID,
+    ConnectorOutput,
+    FakeBlocks,
+    FakeRequest,
+    Scheduler,
+    SchedulerOutput,
+    consumer_params,
+    make_scheduler,
+    producer_params,
+)
 
 WRITE, READ = TransferMode.WRITE, TransferMode.READ
 OTHER_ID = ROUTER_ID.replace("abcdef12", "fedcba98")
@@ -178,6 +187,22 @@ def test_p_read_holds_once_and_every_child_answers_with_the_held_blocks():
         assert s.scheduler.get_num_new_matched_tokens(leg, 0) == (0, False)
         leg.status, leg.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 1
         assert s.scheduler.request_finished(leg, [4]) == (False, answer)
+    assert len(s.scheduler.build_connector_meta(SchedulerOutput({})).holds) == 1
+
+
+def test_p_read_child_first_seen_after_its_leader_ended_answers_with_the_held_blocks():
+    # vLLM adds children one by one: a leader whose prompt is in P's prefix cache ends in one step
+    s = make_scheduler("kv_producer", READ)
+    leader, late = children(producer_params(), n=2)
+    assert s.scheduler.get_num_new_matched_tokens(leader, 0) == (0, False)
+    leader.status, leader.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 40
+    held, answer = s.scheduler.request_finished(leader, [7, 8, 9])
+    assert held
+    assert s.scheduler.get_num_new_matched_tokens(late, 0) == (None, False), "cut to one token first"
+    assert late.num_prompt_tokens == 1
+    assert s.scheduler.get_num_new_matched_tokens(late, 0) == (0, False)
+    late.status, late.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 1
+    assert s.scheduler.request_finished(late, [4]) == (False, answer)
     assert len(s.scheduler.build_connector_meta(SchedulerOutput({})).holds) == 1
 
 

@@ -12,8 +12,16 @@ from pdserve.connector.scheduler import PDScheduler
 from pdserve.placement.inbox import WorkerNews
 from pdserve.placement.messages import PrefillLoad
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
-from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, ROUTER_ID, FakeBlocks, FakeRequest, Scheduler,
-                                                  SchedulerOutput, consumer_params, producer_params)
+from tests.unit.connector.scheduler_fakes import (
+    BLOCK_SIZE,
+    ROUTER_ID,
+    FakeBlocks,
+    FakeRequest,
+    Scheduler,
+    SchedulerOutput,
+    consumer_params,
+    producer_params,
+)
 
 WRITE = TransferMode.WRITE
 
@@ -131,7 +139,7 @@ def test_p_names_the_legs_its_published_queue_counts():
     request.num_computed_tokens = 1000
     load = s.scheduler.build_connector_meta(SchedulerOutput({})).load
     assert (load.queued_tokens, load.counted_transfers) == (0, [])
-    assert s.scheduler._accepted_transfers == {}  # bounded by the queue
+    assert s.scheduler._placement._accepted_transfers == {}  # bounded by the queue
 
 
 def test_p_counts_the_prompts_it_serves_whole_in_its_published_queue():

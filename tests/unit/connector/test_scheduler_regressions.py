@@ -1,5 +1,12 @@
 from pdserve.config import TransferMode
-from tests.unit.connector.scheduler_fakes import ROUTER_ID, FakeBlocks, FakeRequest, SchedulerOutput, consumer_params, make_scheduler
+from tests.unit.connector.scheduler_fakes import (
+    ROUTER_ID,
+    FakeBlocks,
+    FakeRequest,
+    SchedulerOutput,
+    consumer_params,
+    make_scheduler,
+)
 
 
 def test_no_async_promise_after_the_transfer_was_cancelled():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import TransferMode
-from pdserve.connector.transfer import IllegalTransition, Side, Transfer, TransferState
+from pdserve.connector.transfer import IllegalTransition, Side, Transfer, TransferState, WriteWindow
 from pdserve.errors import PDServeError
 
 
@@ -66,3 +66,61 @@ def test_block_pairs_refuse_lists_of_different_lengths(remote):
     """Both legs must name the same number of blocks: a shorter or longer list is another prompt."""
     with pytest.raises(PDServeError, match="block counts differ"):
         make(remote=remote).block_pairs()
+
+
+def test_each_leg_kind_names_its_phases():
+    """D WRITE: ANNOUNCED; D READ: COPYING then CONFIRMING; P READ hold: WAITING to DONE."""
+    write_recv = make()
+    write_recv.announce(WriteWindow(announced_at=1.0, write_for=5.0))
+    assert write_recv.state is TransferState.ANNOUNCED and write_recv.window.write_for == 5.0
+    write_recv.succeed()
+    read_recv = make()
+    read_recv.start_copying()
+    read_recv.confirm()
+    assert read_recv.state is TransferState.CONFIRMING
+    read_recv.succeed()
+    hold = make()
+    hold.succeed()
+    assert all(t.state is TransferState.DONE for t in (write_recv, read_recv, hold))
+
+
+@pytest.mark.parametrize("before", ["waiting", "announced", "copying", "confirming"])
+def test_stopping_keeps_its_first_reason_and_may_only_fail(before):
+    t = make()
+    if before == "announced":
+        t.announce(WriteWindow(1.0, 5.0))
+    elif before in ("copying", "confirming"):
+        t.start_copying()
+        if before == "confirming":
+            t.confirm()
+    assert t.stop("first") and not t.stop("second")
+    assert (t.state, t.error) == (TransferState.STOPPING, "first")
+    for move in (t.succeed, t.start_copying, t.confirm):
+        with pytest.raises(IllegalTransition, match="stopping -> "):
+            move()
+    t.fail(t.error)
+    assert (t.state, t.error) == (TransferState.FAILED, "first")
+
+
+@pytest.mark.parametrize(
+    "setup, move, names",
+    [
+        ("announced", "start_copying", ("announced", "copying")),
+        ("announced", "confirm", ("announced", "confirming")),
+        ("waiting", "confirm", ("waiting", "confirming")),
+        ("copying", "announce", ("copying", "announced")),
+        ("confirming", "start_copying", ("confirming", "copying")),
+    ],
+)
+def test_phases_move_only_forward(setup, move, names):
+    t = make()
+    if setup == "announced":
+        t.announce(WriteWindow(1.0, 5.0))
+    elif setup in ("copying", "confirming"):
+        t.start_copying()
+        if setup == "confirming":
+            t.confirm()
+    with pytest.raises(IllegalTransition) as info:
+        getattr(t, move)(*([WriteWindow(1.0, 5.0)] if move == "announce" else []))
+    assert f"{names[0]} -> {names[1]}" in str(info.value)
+    assert t.state.value == setup

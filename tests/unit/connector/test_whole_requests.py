@@ -12,8 +12,17 @@ from pdserve.connector.whole_requests import PromptTurns
 from pdserve.errors import ConfigError
 from pdserve.launch.options import UpOptions
 from tests.unit.connector.harness import make_config
-from tests.unit.connector.scheduler_fakes import (BLOCK_SIZE, HEX, ConnectorOutput, FakeBlocks, NewRequestData,
-                                                  Scheduler, SchedulerOutput, consumer_params, producer_params)
+from tests.unit.connector.scheduler_fakes import (
+    BLOCK_SIZE,
+    HEX,
+    ConnectorOutput,
+    FakeBlocks,
+    NewRequestData,
+    Scheduler,
+    SchedulerOutput,
+    consumer_params,
+    producer_params,
+)
 from tests.unit.connector.test_scheduler_placement import VllmLikeRequest
 
 # both legs name P (127.0.0.1:6301) as prefill and as decode instance: the router picked P for both

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.placement.chunk_headroom import (MAX_HEADROOM, MIN_HEADROOM, MIN_SAMPLES, QUANTILE, TARGET, WINDOW,
-                                              ChunkHeadroom)
+from pdserve.placement.chunk_headroom import (
+    MAX_HEADROOM,
+    MIN_HEADROOM,
+    MIN_SAMPLES,
+    QUANTILE,
+    TARGET,
+    WINDOW,
+    ChunkHeadroom,
+)
 from pdserve.placement.chunk_size import STEP_HEADROOM
 
 

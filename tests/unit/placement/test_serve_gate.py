@@ -6,9 +6,17 @@ import time
 
 import pytest
 
-from pdserve.placement.serve_gate import (CLOSE_AT, MAX_PREFILL_SHARE, MIN_OPEN_S, OPEN_AT, STALE_S, ServeGate,
-                                         p_stream_itl, streams_itl)
 from pdserve.placement.messages import DecodeStatus, PrefillLoad
+from pdserve.placement.serve_gate import (
+    CLOSE_AT,
+    MAX_PREFILL_SHARE,
+    MIN_OPEN_S,
+    OPEN_AT,
+    STALE_S,
+    ServeGate,
+    p_stream_itl,
+    streams_itl,
+)
 from tests.unit.placement.fake_clock import Clock
 
 TARGET_S = 0.05

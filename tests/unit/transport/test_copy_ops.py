@@ -1,7 +1,7 @@
 import pytest
 
-from pdserve.transport import CopyOp, RegionDescriptor, block_copy_ops, merge_contiguous
 from pdserve.errors import ProtocolError
+from pdserve.transport import CopyOp, RegionDescriptor, block_copy_ops, merge_contiguous
 
 
 def test_merge_coalesces_runs_contiguous_on_both_sides():

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.config import SECRET_FILE_ENV, parse_connector_config
 from pdserve.errors import ConfigError, TransferError
-from pdserve.transport import Direction, RegionOps, CopyOp, ShmTransport, TransferStatus
+from pdserve.transport import CopyOp, Direction, RegionOps, ShmTransport, TransferStatus
 from pdserve.transport.nixl_agent import nixl_installed
 from pdserve.transport.nixl_auto import PeerRoute, RoutedTransport, build_transport
 from pdserve.transport.nixl_host import HostClaim, HostProof, verify

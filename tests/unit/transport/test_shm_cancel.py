@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 from pdserve.faults.corrupt import CorruptingTransport
-from pdserve.transport import CopyOp, Direction, RegionDescriptor, RegionOps, SharedSegment, ShmTransport, TransferStatus, segment_name
+from pdserve.transport import (
+    CopyOp,
+    Direction,
+    RegionDescriptor,
+    RegionOps,
+    SharedSegment,
+    ShmTransport,
+    TransferStatus,
+    segment_name,
+)
 
 SIZE = 4096
 ONE_BLOCK = [RegionOps(0, (CopyOp(0, 0, 64),))]

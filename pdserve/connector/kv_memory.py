@@ -1,0 +1,62 @@
+"""`KvMemory`: the worker's KV cache, moved into shared memory and registered with the transport.
+
+It knows the layout peers copy into (`layout`), the fingerprint a peer must match to copy at all
+(`fingerprint`), and which vLLM layer name is which layer index (`layer_index`). The segments
+have no name once registered: nothing of them outlives the process; `close` unmaps them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pdserve.connector.layout import KvLayout, LayerPlacement, cpu_isa
+from pdserve.errors import PDServeError
+from pdserve.transport.base import Transport
+from pdserve.transport.shm_tensor import move_tensors_to_shared_memory
+
+
+class KvMemory:
+    def __init__(self, model_fingerprint: dict, token: str):
+        self._model_fingerprint = model_fingerprint
+        self._token = token  # names this process's segments
+        self.fingerprint: dict = {}
+        self.layout: KvLayout | None = None
+        self.layer_index: dict[str, int] = {}
+        self._segments: list = []
+
+    def register(self, kv_caches: dict, transport: Transport) -> None:
+        """Called once, from vLLM's `register_kv_caches`, with every layer's KV tensor."""
+        placements = move_tensors_to_shared_memory(kv_caches, self._token)
+        region_ids: dict[int, int] = {}
+        layers = []
+        for index, (name, tensor) in enumerate(kv_caches.items()):
+            if not tensor.is_contiguous():
+                raise PDServeError(f"KV cache of {name} is not contiguous; PDConnector needs block-contiguous KV")
+            placement = placements[name]
+            segment = placement.segment
+            if id(segment) not in region_ids:
+                region_ids[id(segment)] = len(region_ids)
+                # From here on the segment has no name: nothing can outlive this process.
+                transport.register_region(region_ids[id(segment)], segment.address, segment.size,
+                                          segment.unlink_name())
+                self._segments.append(segment)
+            block_bytes = tensor.stride(0) * tensor.element_size()
+            layers.append(LayerPlacement(region_ids[id(segment)], placement.byte_offset, block_bytes, tensor.shape[0]))
+            self.layer_index[name] = index
+        first = next(iter(kv_caches.values()))
+        shapes = "|".join(f"{name}:{t.dtype}:{list(t.shape)}:{t.stride(0)}" for name, t in kv_caches.items())
+        self.fingerprint = {
+            **self._model_fingerprint,
+            "kv_dtype": str(first.dtype),
+            "kv_block_shape": list(first.shape[1:]),
+            "kv_layers": hashlib.sha256("|".join(kv_caches).encode()).hexdigest()[:16],
+            "kv_layer_shapes": hashlib.sha256(shapes.encode()).hexdigest()[:16],
+            "kv_regions": [layer.region_id for layer in layers],
+            "cpu_isa": cpu_isa(),
+        }
+        self.layout = KvLayout(tuple(layers))
+
+    def close(self) -> None:
+        for segment in self._segments:
+            segment.close()
+        self._segments = []

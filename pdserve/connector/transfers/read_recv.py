@@ -1,0 +1,57 @@
+"""D, READ mode: read P's held blocks, then ask P to confirm it held them throughout.
+
+WAITING until bound to P's incarnation, COPYING while the reads run, CONFIRMING once they all
+landed (`ReadDone` sent), DONE on P's `ReadAck(ok)`; any failure stops it and releases P's hold.
+"""
+
+from __future__ import annotations
+
+from pdserve.connector.transfer import Transfer, TransferState
+from pdserve.connector.transfers.base import LegKind
+from pdserve.control.messages import ReadAck, ReadDone
+from pdserve.transport.base import Direction
+
+
+class ReadRecv(LegKind):
+    def on_message(self, t: Transfer, sender: str, message, received: float) -> None:
+        if isinstance(message, ReadAck):
+            self._on_read_ack(t, message)
+        else:
+            self.ignore(t, message)
+
+    def on_peer(self, t: Transfer, peer) -> None:
+        self.engine.binding.bind(t)
+
+    def on_bound(self, t: Transfer, peer) -> None:
+        self._try_read(t)
+
+    def on_rebind(self, t: Transfer) -> None:
+        self._try_read(t)
+
+    def copies_settled(self, t: Transfer) -> None:
+        if t.state is TransferState.COPYING:
+            t.confirm()
+            config = self.engine.config
+            self.engine.messenger.notify(t.peer, ReadDone(t.transfer_id, list(t.remote_block_ids or ()), t.prompt_hash,
+                                                config.host_ip, config.notify_port), t.link.identity)
+
+    def expiry_reason(self, t: Transfer) -> str:
+        if t.link.identity is None:
+            return "could not reach the prefill instance in time"
+        return super().expiry_reason(t)
+
+    def _try_read(self, t: Transfer) -> None:
+        if t.state is not TransferState.WAITING or t.copies.handles:
+            return
+        peer = self.engine.binding.bound_peer(t)
+        if peer is not None:
+            self.engine.submit(t, peer, Direction.READ, range(self.engine.num_layers))
+
+    def _on_read_ack(self, t: Transfer, message: ReadAck) -> None:
+        if t.state is not TransferState.CONFIRMING:
+            return
+        if message.ok:
+            t.succeed()
+            self.engine.finish(t)
+        else:
+            self.engine.stop(t, f"prefill did not confirm the KV it held: {message.error}", tell_peer=True)
