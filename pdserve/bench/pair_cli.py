@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.slo import SLO
+from pdserve.bench import args as check
+from pdserve.errors import ConfigError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -15,10 +16,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Attainment per shared rate and SLO of A's and B's configuration on the same requests, B minus "
                     "A with a paired block-bootstrap interval, and TTFT percentiles. Both runs must come from the "
                     "same plan (seeds, prompts, workload, scored window), e.g. before and after a change.",
-        epilog="example: pdserve bench-pair benchmarks/before:adaptive=before benchmarks/after:adaptive=after")
+        epilog="example: pdserve bench-pair runs/before:adaptive=before runs/after:adaptive=after")
     p.add_argument("a", metavar="A_DIR:CONFIG[=LABEL]", help="the baseline run and configuration")
     p.add_argument("b", metavar="B_DIR:CONFIG[=LABEL]", help="the run and configuration set against it")
-    p.add_argument("--slo", action="append", metavar="NAME:SPEC",
+    p.add_argument("--slo", action="append", metavar="NAME:SPEC", type=check.slo,
                    help="judge under this SLO instead of A's plan's (repeatable), e.g. 'blog:ttft<1000,mean_itl<50'")
     p.add_argument("--out", type=Path, help="also write the markdown here")
     p.set_defaults(func=run)
@@ -27,8 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pdserve.bench.pairing import Side, pair, render
 
-    slos = tuple(SLO.parse(s) for s in args.slo or ())
-    text = render(pair(Side.parse(args.a), Side.parse(args.b), slos))
+    if args.out is not None and args.out.is_dir():
+        raise ConfigError(f"--out: {args.out} is a directory (give a file)")
+    # both runs are read and checked against each other (ConfigError: exit 2) before anything is written
+    text = render(pair(Side.parse(args.a), Side.parse(args.b), tuple(args.slo or ())))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)

@@ -41,7 +41,7 @@ class Side:
         directory, sep, rest = text.rpartition(":")
         config, _, label = rest.partition("=")
         if not sep or not directory or not config.strip():
-            raise ConfigError(f"{text!r} is not DIR:CONFIG or DIR:CONFIG=LABEL (e.g. benchmarks/default:adaptive=before)")
+            raise ConfigError(f"{text!r} is not DIR:CONFIG or DIR:CONFIG=LABEL (e.g. runs/bench-default-20261205-140000:adaptive=before)")
         return cls(Path(directory), config.strip(), label.strip() or f"{Path(directory).name}:{config.strip()}")
 
 

@@ -27,6 +27,14 @@ from pdserve.bench.records import BenchRun, load_bench_run
 from pdserve.errors import ConfigError
 
 
+class PlanMismatch(ConfigError):
+    """A results directory holds measurements of another plan; ``fields`` names what differs."""
+
+    def __init__(self, root: Path, fields: tuple[str, ...]) -> None:
+        super().__init__(f"{root} holds results of a different plan (it differs in {', '.join(fields)})")
+        self.root, self.fields = root, fields
+
+
 @dataclass(frozen=True)
 class ResultsDir:
     root: Path
@@ -80,20 +88,26 @@ class ResultsDir:
         return self.root / "logs" / config
 
     def open_plan(self, plan: BenchPlan | None) -> BenchPlan:
-        """Store ``plan`` (or, resuming with None, read the stored one); refuse a different plan."""
+        """Store ``plan`` (or, resuming with None, read the stored one). A directory holding another
+        plan is refused once anything of it was measured; before that the new plan replaces it, so a
+        run that failed before measuring never blocks its corrected rerun."""
         stored = BenchPlan.load(self.plan_path) if self.plan_path.exists() else None
         if plan is None:
             if stored is None:
                 raise ConfigError(f"{self.root} holds no plan.json: nothing to resume")
             return stored
-        if stored is not None and stored.to_json() != plan.to_json():
-            raise ConfigError(
-                f"{self.root} holds results of a different plan; resume without changing options "
-                "(or pass --resume alone), or choose another --out directory"
-            )
+        if stored is not None and self.measured():
+            differing = [k for k, v in plan.to_json().items() if stored.to_json().get(k) != v]
+            if differing:
+                raise PlanMismatch(self.root, tuple(differing))
         self.root.mkdir(parents=True, exist_ok=True)
         plan.save(self.plan_path)
         return plan
+
+    def measured(self) -> bool:
+        """Whether the run measured anything yet (calibration, tuning or a point)."""
+        return (self.calibration_path.exists() or self.tune_path.exists()
+                or any((self.root / "raw").rglob("*.json")))
 
     def is_done(self, point: Point) -> bool:
         path = self.raw_path(point)

@@ -120,7 +120,7 @@ class Runner:
         report = self.write_report()
         progress.close(f"report: {report}")
         if failures:
-            raise PDServeError(f"{len(failures)} configuration(s) failed (re-run to retry): " +
+            raise PDServeError(f"{len(failures)} configuration(s) failed (retry: pdserve bench --out {self.results.root}): " +
                                "; ".join(failures.values()))
         return report
 

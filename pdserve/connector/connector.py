@@ -29,6 +29,7 @@ from pdserve.connector.metadata import StepPlan
 from pdserve.connector.registration import RouterRegistration
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
+from pdserve.connector.support import check_supported
 from pdserve.connector.worker import PDWorker
 from pdserve.placement.inbox import WorkerNews
 from pdserve.vllm_logging import route_logs_to_vllm
@@ -91,6 +92,7 @@ class PDConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         route_logs_to_vllm()
+        check_supported(vllm_config)
         transfer_config = vllm_config.kv_transfer_config
         self._config = parse_connector_config(transfer_config.kv_role, transfer_config.kv_connector_extra_config)
         self._scheduler: PDScheduler | None = None
@@ -107,6 +109,14 @@ class PDConnector(KVConnectorBase_V1):
                 self._registration = RouterRegistration(self._config)
         else:
             self._worker = PDWorker(self._config, _model_fingerprint(vllm_config))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """No layout required. vLLM asks this while it sets up attention, before it groups the KV
+        cache: the first place a configuration PDConnector cannot serve is refused with its reason
+        (a hybrid model otherwise fails later in vLLM with a message that does not say why)."""
+        check_supported(vllm_config)
+        return None
 
     # ---- scheduler side --------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.launch.arguments import is_hub_id
 from pdserve.launch.cluster import Cluster
 from pdserve.launch.instance import InstanceSpec
 from pdserve.launch.modes import Deployment, known_modes, plain_instance, plan, register
@@ -31,7 +32,8 @@ def up(options: UpOptions) -> Cluster:
     from pdserve.model.build import resolve_model
 
     plan(options)  # an unknown mode fails before any model is built
-    resolved = dataclasses.replace(options, model=str(resolve_model(options.model)))
+    model = options.model if is_hub_id(options.model) else str(resolve_model(options.model))
+    resolved = dataclasses.replace(options, model=model)
     cluster = Cluster(plan(resolved), log_dir=options.log_dir, restart=options.restart,
                       startup_timeout=options.startup_timeout)
     cluster.start()

@@ -10,7 +10,7 @@ Cluster built directly, so callers that kill instances on purpose see them stay 
 the first death in `failure`. Every child runs in its own session; stop() ends the supervisor,
 drains the front (it refuses new requests and waits for those in flight, up to its drain
 timeout), signals each process group (SIGTERM, deadline, SIGKILL) and removes the run directory
-(logs, ipc sockets, temp files), so nothing is left.
+(ipc sockets, temp files, and the logs unless `log_dir` holds them), so nothing else is left.
 
 Start order: instances; the router with them (discovery) or once they are healthy (static URLs);
 the front once everything behind it is healthy. Stop order: the front, then all the rest at once.
@@ -18,6 +18,7 @@ the front once everything behind it is healthy. Stop order: the front, then all 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import signal
@@ -26,12 +27,13 @@ import time
 from pathlib import Path
 
 from pdserve.errors import LaunchError
-from pdserve.launch.env import runs_dir
+from pdserve.launch.env import private_dir, runs_dir
 from pdserve.launch.front.spec import DRAIN_GRACE_S, FrontSpec
+from pdserve.launch.instance import InstanceSpec
 from pdserve.launch.modes import Deployment
 from pdserve.launch.options import RestartPolicy, check_restart_policy
 from pdserve.launch.ports import require_free
-from pdserve.launch.process import ManagedProcess
+from pdserve.launch.process import ManagedProcess, ProcessSpec
 from pdserve.launch.router import RouterSpec
 from pdserve.launch.supervisor import Supervisor
 
@@ -41,7 +43,10 @@ STOP_TIMEOUT = 30.0
 
 
 class Cluster:
-    """A running deployment: its instances (and router), health, endpoint, and clean stop."""
+    """A running deployment: its instances (and router), health, endpoint, and clean stop.
+
+    `log_dir`: where the processes write their logs, kept after stop (else in the run dir, removed).
+    """
 
     def __init__(self, deployment: Deployment, log_dir: Path | None = None, restart: RestartPolicy = "never",
                  startup_timeout: float = 600.0) -> None:
@@ -91,10 +96,12 @@ class Cluster:
         self._state = "starting"
         try:
             require_free(self.deployment.ports)
-            runs_dir().mkdir(parents=True, exist_ok=True)
-            self.run_dir = Path(tempfile.mkdtemp(prefix=f"{self.deployment.client_port}-", dir=runs_dir()))
+            scratch = private_dir(runs_dir())
+            self.run_dir = Path(tempfile.mkdtemp(prefix=f"{self.deployment.client_port}-", dir=scratch))
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
             for spec in self.deployment.instances:
-                process = ManagedProcess(spec.process_spec(self.run_dir))
+                process = ManagedProcess(self._process_spec(spec))
                 self.instances.append(process)
                 process.start()
             router = self.deployment.router
@@ -151,11 +158,15 @@ class Cluster:
 
     def _remove_run_dir(self) -> None:
         if self.run_dir is not None:
-            if self.log_dir is not None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                for log in self.run_dir.glob("*.log"):
-                    shutil.copy(log, self.log_dir / log.name)
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _process_spec(self, spec: InstanceSpec | RouterSpec | FrontSpec) -> ProcessSpec:
+        """The spec's process, its log in `log_dir` when there is one (kept), else in the run dir."""
+        assert self.run_dir is not None
+        process = spec.process_spec(self.run_dir)
+        if self.log_dir is None:
+            return process
+        return dataclasses.replace(process, log_path=self.log_dir / f"{process.name}.log")
 
     def __enter__(self) -> Cluster:
         if self._state == "new":
@@ -180,8 +191,7 @@ class Cluster:
         self.router = self._start(self.deployment.router)
 
     def _start(self, spec: RouterSpec | FrontSpec) -> ManagedProcess:
-        assert self.run_dir is not None
-        process = ManagedProcess(spec.process_spec(self.run_dir))
+        process = ManagedProcess(self._process_spec(spec))
         process.start()
         return process
 
@@ -192,8 +202,8 @@ class Cluster:
                 raise LaunchError(f"{process.name} exited with code {code} during start: {self._last_error(process)}")
 
     def _last_error(self, process: ManagedProcess) -> str:
-        tail = process.log_tail(40)
-        self.failure_log = [f"--- {process.name} log tail", *tail]  # the run dir (and log) is about to go
+        tail = process.log_tail(200)
+        self.failure_log = [f"--- {process.name} log tail", *tail[-40:]]
         return process.last_error(tail)
 
     def _expect(self, state: str) -> None:

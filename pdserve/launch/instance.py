@@ -6,6 +6,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.launch.arguments import is_hub_id
 from pdserve.launch.env import vllm_env
 from pdserve.launch.process import ProcessSpec
 from pdserve.launch.shm_namespace import confine, tmpfs_bytes
@@ -45,7 +46,7 @@ class InstanceSpec:
                 "--host", HOST, "--port", str(self.port), *self.vllm_args, *self.extra_args)
         confined = confine(argv, self.shm_limit_bytes)
         env = {
-            **vllm_env(run_dir / self.name),
+            **vllm_env(run_dir / self.name, offline=not is_hub_id(self.model)),
             "VLLM_CPU_OMP_THREADS_BIND": cpu_list,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             **self.extra_env,

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
-from pdserve.launch.front.spec import FrontSpec
+from pdserve.launch.front.spec import FrontSpec, direct_sources
 from pdserve.launch.instance import InstanceSpec
-from pdserve.launch.options import UpOptions
+from pdserve.launch.options import DEFAULT_HOST, UpOptions
 from pdserve.launch.router import RouterSpec
 from pdserve.launch.shm_namespace import tmpfs_bytes
 
@@ -54,9 +54,9 @@ class Deployment:
         return (*ports, *self.extra_ports, *([self.front.port] if self.front else []))
 
 
-def with_front(deployment: Deployment, drain_timeout: float) -> Deployment:
-    """Put a front on the client port the planner gave its router (or only instance), and move
-    that one to the first port after all the others the deployment uses."""
+def with_front(deployment: Deployment, drain_timeout: float, host: str = DEFAULT_HOST) -> Deployment:
+    """Put a front listening on `host` on the client port the planner gave its router (or only
+    instance), and move that one to the first port after all the others the deployment uses."""
     spare = max(deployment.ports) + 1
     if deployment.router:
         moved = dataclasses.replace(deployment, router=dataclasses.replace(deployment.router, port=spare))
@@ -65,7 +65,9 @@ def with_front(deployment: Deployment, drain_timeout: float) -> Deployment:
         moved = dataclasses.replace(deployment, instances=(dataclasses.replace(first, port=spare), *rest))
     upstream = (moved.backend.name, moved.backend.url)
     sources = tuple((i.name, i.url) for i in moved.instances)
-    return dataclasses.replace(moved, front=FrontSpec(deployment.backend.port, upstream, sources, drain_timeout))
+    front = FrontSpec(deployment.backend.port, upstream, sources, drain_timeout, host=host,
+                      direct_sources=direct_sources(moved.instances))
+    return dataclasses.replace(moved, front=front)
 
 
 Planner = Callable[[UpOptions], Deployment]
@@ -125,7 +127,7 @@ def plan(options: UpOptions) -> Deployment:
     if len(set(deployment.ports)) != len(deployment.ports):
         raise ConfigError(f"mode {options.mode!r} planned one port twice: {deployment.ports}")
     if deployment.front is None and deployment.backend.port == options.port:
-        deployment = with_front(deployment, options.drain_timeout)
+        deployment = with_front(deployment, options.drain_timeout, options.host)
     return deployment
 
 

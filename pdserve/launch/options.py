@@ -12,6 +12,7 @@ from pdserve.errors import ConfigError
 from pdserve.slo import SLO
 
 GIB = 1 << 30
+DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 18000
 DEFAULT_DRAIN_TIMEOUT = 30.0
 MAX_INSTANCES_PER_ROLE = 16
@@ -34,8 +35,9 @@ def all_cores() -> tuple[int, ...]:
 class UpOptions:
     """Everything a mode needs to plan a deployment.
 
-    `port` is the client-facing port (router, or the single instance); instances take the ports
-    after it. `model` is a directory or a built-in size (tiny|small), resolved by launch.up().
+    `host` is the address the client-facing front listens on; instances and router stay on
+    loopback. `port` is the front's port; instances take the ports after it. `model` is a
+    directory, a Hugging Face id or a built-in name (tiny, small, ...), resolved by launch.up().
     `restart`: what the cluster does when a process dies after it was healthy (RESTART_POLICIES).
     `drain_timeout`: on stop, how long requests in flight may take to finish (new ones are
     refused meanwhile); 0 cuts them off at once.
@@ -45,6 +47,7 @@ class UpOptions:
 
     mode: str = "collocated"
     model: str = "tiny"
+    host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     kv_cache_bytes: int = GIB
     max_model_len: int = 4096
@@ -70,25 +73,29 @@ class UpOptions:
     def __post_init__(self) -> None:
         check_restart_policy(self.restart)
         if not 1 <= self.port <= 65535 - 16:
-            raise ConfigError(f"port {self.port} out of range")
+            raise ConfigError(f"--port: a port in 1..{65535 - 16}, the instances taking the next ones (got {self.port})")
         if not 0 <= self.drain_timeout < float("inf"):
-            raise ConfigError(f"drain timeout {self.drain_timeout} is not a number of seconds >= 0")
+            raise ConfigError(f"--drain-timeout: a drain timeout is a number of seconds >= 0 (got {self.drain_timeout})")
+        if not 0 < self.startup_timeout < float("inf"):
+            raise ConfigError(f"--startup-timeout: a number of seconds > 0 (got {self.startup_timeout})")
         if self.kv_cache_bytes < 16 << 20:
-            raise ConfigError(f"KV cache of {self.kv_cache_bytes} bytes is too small (at least 16 MiB)")
+            raise ConfigError(f"--kv-cache: at least 16MiB (got {self.kv_cache_bytes} bytes)")
+        if not 16 <= self.max_model_len <= 1 << 20:
+            raise ConfigError(f"--max-model-len: a token count in 16..{1 << 20} (got {self.max_model_len})")
         if not self.cores:
             raise ConfigError("no CPU cores to run on")
         for name, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             if not 1 <= count <= MAX_INSTANCES_PER_ROLE:
-                raise ConfigError(f"{count} {name} instances: give 1..{MAX_INSTANCES_PER_ROLE}")
+                raise ConfigError(f"--{name}: {count} {name} instances: give 1..{MAX_INSTANCES_PER_ROLE}")
         for name, budget in (("prefill", self.prefill_budget), ("decode", self.decode_budget),
                              ("decode chunk", self.decode_chunk), ("prefill chunk", self.prefill_chunk)):
             if budget is not None and not 16 <= budget <= 1 << 20:
                 raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
         if self.serve_decode and self.mode != "adaptive":
-            raise ConfigError(f"the prefill instance serves whole requests only in adaptive mode (WRITE), not {self.mode}")
+            raise ConfigError(f"--prefill-serves-decode: only in adaptive mode (WRITE), not {self.mode}")
         if self.serve_decode and self.num_prefill != 1:
-            raise ConfigError(f"a prefill instance serves whole requests only when it is the only one: the router "
-                              f"pairs a request's legs across instances ({self.num_prefill} prefill instances given)")
+            raise ConfigError(f"--prefill-serves-decode: only when it is the only one, as the router pairs a "
+                              f"request's legs across instances (got --prefill {self.num_prefill})")
         if self.slo is not None:
             self._check_slo()
         for name, ms in (("ITL target", self.itl_target_ms), ("largest step", self.max_step_ms)):

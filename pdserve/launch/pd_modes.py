@@ -18,13 +18,15 @@ Ports, from the deployment's base port B, with K = N + M instances:
     B+1 .. B+N             prefill instances' HTTP
     B+N+1 .. B+K           decode instances' HTTP
     B+K+1                  router Prometheus
-    B+K+2                  router discovery (instances register here)
+    B+K+2                  discovery: pdserve's registrar, where instances register (launch/registrar/)
     B+K+3+2i, B+K+4+2i     handshake / notify of instance i (prefill 0..N-1, then decode)
-so 1P+1D is B, P B+1, D B+2, Prometheus B+3, discovery B+4, handshake/notify B+5..B+8, router
-B+9; 2P+1D uses B..B+12. Instances are named prefill/decode when there is one of the role, else
-prefill0, prefill1, ... Cores are divided by launch.cores.divide_cores (P and D on their own
-cores where there are enough; shared, with one warning, where not). All instances share a
-control-plane secret kept in the project cache.
+    B+3K+3                 the router's own discovery socket, which only the registrar reaches
+so 1P+1D is B, P B+1, D B+2, Prometheus B+3, discovery B+4, handshake/notify B+5..B+8, the
+router's discovery B+9, router B+10; 2P+1D uses B..B+13. Instances are named prefill/decode when
+there is one of the role, else prefill0, prefill1, ... Cores are divided by
+launch.cores.divide_cores (P and D on their own cores where there are enough; shared, with one
+warning, where not). All instances and the registrar share a control-plane secret kept in the
+project cache.
 This module must not import vLLM: the launcher plans deployments in a plain process.
 """
 
@@ -41,6 +43,7 @@ from pdserve.launch.cores import divide_cores, sharing_warning
 from pdserve.launch.env import cache_dir
 from pdserve.launch.modes import Deployment, plain_instance, register
 from pdserve.launch.options import UpOptions
+from pdserve.launch.registrar import RegistrarSpec
 from pdserve.launch.router import RouterSpec
 
 HOST = "127.0.0.1"
@@ -108,14 +111,20 @@ class PortLayout:
         return self.handshake(index) + 1
 
     @property
+    def router_discovery(self) -> int:
+        return self.notify(self.num_instances - 1) + 1
+
+    @property
     def control_ports(self) -> tuple[int, ...]:
-        """Discovery and every instance's handshake/notify port (the ports no HTTP server binds)."""
-        return (self.discovery, *(p for i in range(self.num_instances) for p in (self.handshake(i), self.notify(i))))
+        """Discovery, every instance's handshake/notify port and the router's discovery (the ports
+        no HTTP server binds)."""
+        instances = (p for i in range(self.num_instances) for p in (self.handshake(i), self.notify(i)))
+        return (self.discovery, *instances, self.router_discovery)
 
     @property
     def last(self) -> int:
         """The highest port of the layout (the front's move of the router takes the next one)."""
-        return self.notify(self.num_instances - 1)
+        return self.router_discovery
 
 
 def instance_names(role: str, count: int) -> list[str]:
@@ -141,11 +150,12 @@ def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = 
         config = transfer_config(kv_role, mode, ports.http(i), ports.handshake(i), ports.notify(i), ports.discovery,
                                  connector_extra, by_name)
         instances.append(dataclasses.replace(spec, extra_args=("--kv-transfer-config", config)))
+    registrar = RegistrarSpec(HOST, ports.discovery, ports.router_discovery, secret_file())
     router = RouterSpec(
         port=options.port, prometheus_port=ports.prometheus, policy="round_robin",
         extra_args=("--prefill-policy", "round_robin", "--decode-policy", "power_of_two",
-                    "--vllm-pd-disaggregation", "--kv-connector", "moriio",
-                    "--vllm-discovery-address", f"{HOST}:{ports.discovery}"),
+                    "--vllm-pd-disaggregation", "--kv-connector", "moriio"),
+        registrar=registrar,
     )
     warnings = (sharing_warning({i.name: i.cores for i in instances}, len(options.cores)),) if cores.shared else ()
     return Deployment(tuple(instances), router, extra_ports=ports.control_ports, warnings=warnings)

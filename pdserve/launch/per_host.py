@@ -4,10 +4,13 @@
                         pdserve instance --role prefill --router 10.0.0.1:8002 --host-ip 10.0.0.1 --model DIR
     host B (10.0.0.2):  pdserve instance --role decode  --router 10.0.0.1:8002 --host-ip 10.0.0.2 --model DIR
 
-The router is vllm-router in PD mode with discovery: instances register at its discovery address
-(`--router`), so it needs no list of URLs. Each instance is one `vllm serve` with PDConnector whose
-HTTP, handshake and notify ports bind `--host-ip`; peers in `--allowed-peers` may reach them. Every
-process of the deployment must read the same `--secret-file` (the control plane's shared key).
+The router is vllm-router in PD mode with discovery, so it needs no list of URLs: instances
+register at the discovery address (`--router`), where pdserve's registrar takes only registrations
+signed with the deployment's secret and forwards them to the router's own discovery socket on
+127.0.0.1, the discovery port + 1 (launch/registrar/). Each instance is one `vllm serve` with
+PDConnector whose HTTP, handshake and notify ports bind `--host-ip`; peers in `--allowed-peers`
+may reach them. Every process of the deployment, the router included, must read the same
+`--secret-file` (the control plane's shared key).
 The transport defaults to `auto`: shared memory between instances that prove they share a host,
 NIXL across hosts. These builders return argv and environment; the CLI execs them in the foreground.
 """
@@ -21,8 +24,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.control.secret import SECRET_FILE_ENV
 from pdserve.errors import ConfigError
-from pdserve.launch.env import cache_dir, vllm_env
+from pdserve.launch.arguments import is_hub_id
+from pdserve.launch.env import private_dir, runs_dir, vllm_env
+from pdserve.launch.registrar import RegistrarSpec
 from pdserve.launch.router import router_binary
 from pdserve.launch.shm_namespace import confine
 
@@ -101,8 +107,8 @@ def instance_command(o: InstanceOptions) -> tuple[list[str], dict[str, str]]:
               "kv_role": ROLES[o.role], "kv_connector_extra_config": extra}
     argv = [sys.executable, "-m", "pdserve.vllm_cli", "serve", o.model, "--host", o.host_ip, "--port", str(o.port),
             *o.vllm_args, "--kv-transfer-config", json.dumps(config)]
-    scratch = cache_dir() / "tmp" / f"{o.role}-{o.host_ip}-{o.port}-{os.getpid()}"
-    env = vllm_env(scratch)
+    scratch = private_dir(runs_dir()) / f"{o.role}-{o.host_ip}-{o.port}-{os.getpid()}"
+    env = vllm_env(scratch, offline=not is_hub_id(o.model))
     if o.cores:
         cpu_list = ",".join(map(str, o.cores))
         argv = ["taskset", "-c", cpu_list, *argv]
@@ -118,15 +124,33 @@ class RouterOptions:
     port: int = 8000  # clients; Prometheus port+1, discovery port+2 unless given
     prometheus_port: int | None = None
     discovery_port: int | None = None
+    secret_file: Path | None = None  # the deployment's secret; None: $PDSERVE_SECRET_FILE
+
+    def __post_init__(self):
+        path = self.secret_file or os.environ.get(SECRET_FILE_ENV)
+        if not path:
+            raise ConfigError(f"the router's registrar needs the deployment's secret: set ${SECRET_FILE_ENV}")
+        if not Path(path).is_file():
+            raise ConfigError(f"secret file {path} does not exist (copy the deployment's secret here)")
+        router_discovery = self.discovery.port + 1
+        if router_discovery > 65535 or router_discovery in (self.port, self.prometheus_port or self.port + 1):
+            raise ConfigError(f"--discovery-port: the router's own discovery socket takes the next port "
+                              f"({router_discovery}), which must be free for it (choose another discovery port)")
 
     @property
     def discovery(self) -> Endpoint:
+        """Where instances register: the registrar."""
         return Endpoint(self.host_ip, self.discovery_port or self.port + 2)
+
+    def registrar(self) -> RegistrarSpec:
+        secret = Path(self.secret_file or os.environ[SECRET_FILE_ENV])
+        return RegistrarSpec(self.host_ip, self.discovery.port, self.discovery.port + 1, secret)
 
 
 def router_command(o: RouterOptions) -> list[str]:
-    """vllm-router in PD mode, instances registering at `o.discovery` (MoRIIO's protocol)."""
-    return [router_binary(), "--host", o.host_ip, "--port", str(o.port), "--prometheus-host", o.host_ip,
-            "--prometheus-port", str(o.prometheus_port or o.port + 1), "--policy", "round_robin",
-            "--prefill-policy", "round_robin", "--decode-policy", "power_of_two", "--log-level", "warning",
-            "--vllm-pd-disaggregation", "--kv-connector", "moriio", "--vllm-discovery-address", str(o.discovery)]
+    """vllm-router in PD mode behind the registrar, instances registering at `o.discovery`."""
+    return list(o.registrar().wrap([
+        router_binary(), "--host", o.host_ip, "--port", str(o.port), "--prometheus-host", o.host_ip,
+        "--prometheus-port", str(o.prometheus_port or o.port + 1), "--policy", "round_robin",
+        "--prefill-policy", "round_robin", "--decode-policy", "power_of_two", "--log-level", "warning",
+        "--vllm-pd-disaggregation", "--kv-connector", "moriio"]))

@@ -12,52 +12,68 @@ import shlex
 import shutil
 import signal
 import subprocess
-from pathlib import Path
 
 from pdserve.config import TRANSPORTS
-from pdserve.launch.env import prepare
-from pdserve.launch.per_host import Endpoint, InstanceOptions, RouterOptions, instance_command, router_command
+from pdserve.control.secret import SECRET_FILE_ENV
+from pdserve.errors import ConfigError
+from pdserve.launch import arguments as arg
 
 STOP_DEADLINE_S = 30.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     inst = subparsers.add_parser("instance", help="run one prefill or decode instance of a multi-host PD deployment")
-    inst.add_argument("--role", required=True, choices=("prefill", "decode"))
-    inst.add_argument("--router", required=True, metavar="IP:PORT", help="the router's discovery address")
-    inst.add_argument("--host-ip", required=True, help="this host's address that peers and the router reach")
-    inst.add_argument("--model", required=True, help="model directory")
-    inst.add_argument("--secret-file", required=True, type=Path, help="the deployment's shared control-plane key")
-    inst.add_argument("--mode", default="write", choices=("write", "read"))
-    inst.add_argument("--port", type=int, default=8100, help="HTTP port (handshake port+1, notify port+2)")
-    inst.add_argument("--handshake-port", type=int)
-    inst.add_argument("--notify-port", type=int)
-    inst.add_argument("--transport", default="auto", choices=TRANSPORTS)
-    inst.add_argument("--allowed-peers", default="", help="comma-separated networks/hosts (default: this host, router)")
-    inst.add_argument("--cores", default="", help="CPU list to pin to, e.g. 0 or 0-3")
-    inst.add_argument("--connector-extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
+    inst.add_argument("--role", required=True, choices=("prefill", "decode"), help="what this instance does")
+    inst.add_argument("--router", required=True, type=arg.host_and_port, metavar="HOST:PORT",
+                      help="the router's discovery address (HOST an IP address or a DNS name)")
+    inst.add_argument("--host-ip", required=True, type=arg.ip_address, metavar="IP",
+                      help="this host's address that peers and the router reach")
+    inst.add_argument("--model", required=True, type=arg.model_location,
+                      help="a model directory, or a Hugging Face id (org/name) that vLLM resolves")
+    inst.add_argument("--secret-file", required=True, type=arg.secret_file, metavar="FILE",
+                      help="the deployment's shared control-plane key (a non-empty file, mode 600)")
+    inst.add_argument("--mode", default="write", choices=("write", "read"), help="how KV moves: P writes or D reads")
+    inst.add_argument("--port", type=arg.port, default=8100, help="HTTP port (handshake port+1, notify port+2)")
+    inst.add_argument("--handshake-port", type=arg.port, metavar="PORT", help="default: --port + 1")
+    inst.add_argument("--notify-port", type=arg.port, metavar="PORT", help="default: --port + 2")
+    inst.add_argument("--transport", default="auto", choices=TRANSPORTS,
+                      help="how KV moves: shm on one host, nixl across hosts, auto picks per peer")
+    inst.add_argument("--allowed-peers", type=arg.peer_list, metavar="NETS",
+                      help="comma-separated networks/hosts that may reach this instance (default: this host, router)")
+    inst.add_argument("--cores", type=arg.cpu_list, default="", metavar="CPUS",
+                      help="CPU list to pin to, e.g. 0 or 0-3 (default: no pinning)")
+    inst.add_argument("--connector-extra", type=arg.json_object, default="{}", metavar="JSON",
+                      help="more kv_connector_extra_config keys, as a JSON object")
     inst.add_argument("--print", action="store_true", help="print the command instead of running it")
-    inst.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more `vllm serve` arguments")
+    inst.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="-- VLLM_FLAGS",
+                      help="after --: more `vllm serve` arguments")
     inst.set_defaults(func=run_instance)
     router = subparsers.add_parser("router", help="run vllm-router for a multi-host PD deployment (discovery)")
-    router.add_argument("--host-ip", required=True, help="the address clients and instances reach")
-    router.add_argument("--port", type=int, default=8000, help="client port (Prometheus port+1, discovery port+2)")
-    router.add_argument("--prometheus-port", type=int)
-    router.add_argument("--discovery-port", type=int)
+    router.add_argument("--host-ip", required=True, type=arg.ip_address, metavar="IP",
+                        help="the address clients and instances reach")
+    router.add_argument("--port", type=arg.port, default=8000, help="client port (Prometheus port+1, discovery port+2)")
+    router.add_argument("--prometheus-port", type=arg.port, metavar="PORT", help="default: --port + 1")
+    router.add_argument("--discovery-port", type=arg.port, metavar="PORT", help="default: --port + 2")
+    router.add_argument("--secret-file", type=arg.secret_file, default=os.environ.get(SECRET_FILE_ENV), metavar="FILE",
+                        help=f"the deployment's shared control-plane key, which registrations must be signed with "
+                             f"(default: ${SECRET_FILE_ENV})")
     router.add_argument("--print", action="store_true", help="print the command instead of running it")
     router.set_defaults(func=run_router)
 
 
 def run_instance(args) -> int:
-    import json
+    # the command builders are imported when a command runs, so that building the parser stays light
+    from pdserve.launch.env import prepare
+    from pdserve.launch.per_host import Endpoint, InstanceOptions, instance_command
 
+    if args.vllm_args and args.vllm_args[0] != "--":
+        raise ConfigError(f"unrecognized argument {args.vllm_args[0]!r} (vLLM's own flags go after --)")
+    _check_ports("--port", args.port, args.handshake_port, args.notify_port)
     options = InstanceOptions(
-        role=args.role, router=Endpoint.parse(args.router, "--router"), host_ip=args.host_ip, model=args.model,
+        role=args.role, router=Endpoint(*args.router), host_ip=args.host_ip, model=args.model,
         secret_file=args.secret_file, mode=args.mode, port=args.port, handshake_port=args.handshake_port,
-        notify_port=args.notify_port, transport=args.transport,
-        allowed_peers=tuple(p.strip() for p in args.allowed_peers.split(",") if p.strip()),
-        cores=_cores(args.cores), connector_extra=tuple(json.loads(args.connector_extra).items()),
-        vllm_args=tuple(a for a in args.vllm_args if a != "--"),
+        notify_port=args.notify_port, transport=args.transport, allowed_peers=args.allowed_peers or (),
+        cores=args.cores, connector_extra=tuple(args.connector_extra.items()), vllm_args=tuple(args.vllm_args[1:]),
     )
     argv, env = instance_command(options)
     if args.print:
@@ -71,19 +87,24 @@ def run_instance(args) -> int:
 
 
 def run_router(args) -> int:
-    argv = router_command(RouterOptions(args.host_ip, args.port, args.prometheus_port, args.discovery_port))
+    from pdserve.launch.per_host import RouterOptions, router_command
+
+    if args.secret_file is None:
+        raise ConfigError(f"--secret-file: the deployment's secret, which registrations are checked against "
+                          f"(got none, and ${SECRET_FILE_ENV} is not set)")
+    _check_ports("--port", args.port, args.prometheus_port, args.discovery_port)
+    argv = router_command(RouterOptions(args.host_ip, args.port, args.prometheus_port, args.discovery_port,
+                                        secret_file=args.secret_file))
     if args.print:
         print(shlex.join(argv))
         return 0
     return _foreground(argv, dict(os.environ))
 
 
-def _cores(text: str) -> tuple[int, ...]:
-    cores: list[int] = []
-    for part in filter(None, text.split(",")):
-        low, _, high = part.partition("-")
-        cores.extend(range(int(low), int(high or low) + 1))
-    return tuple(cores)
+def _check_ports(flag: str, port: int, *given: int | None) -> None:
+    """`port` + 1 and + 2 are the defaults of the two others: they must be ports too."""
+    if any(p is None for p in given) and port > 65533:
+        raise ConfigError(f"{flag}: at most 65533, the next two ports being the defaults of the others (got {port})")
 
 
 def _foreground(argv: list[str], env: dict[str, str]) -> int:

@@ -18,6 +18,7 @@ from pdserve.errors import LaunchError
 from pdserve.launch.shm_sweep import list_entries, sweep
 
 _ERROR_LINE = re.compile(r"error|exception|killed|cannot|failed", re.IGNORECASE)
+_PDSERVE_ERROR = re.compile(r"pdserve\.errors\.ConfigError: (.+)")  # a refusal of ours, raised inside vLLM
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,14 @@ class ManagedProcess:
             return False
 
     def last_error(self, tail: list[str] | None = None) -> str:
-        """The last line of the log tail that looks like an error (else its last line), shortened."""
-        tail = self.log_tail(40) if tail is None else tail
+        """pdserve's own refusal when the log holds one (a ConfigError raised inside vLLM, whose last
+        line only says the engine failed), else the last line of the tail that looks like an error
+        (else its last line), shortened."""
+        tail = self.log_tail(200) if tail is None else tail
+        ours = [m.group(1) for line in tail if (m := _PDSERVE_ERROR.search(line))]
+        if ours:
+            return ours[-1].strip()[-300:]
+        tail = tail[-40:]
         errors = [line for line in tail if _ERROR_LINE.search(line) and not line.startswith("--- pdserve:")]
         return (errors or tail or ["no output"])[-1].strip()[-300:]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from pdserve.errors import LaunchError
 from pdserve.launch.instance import HOST
 from pdserve.launch.process import ProcessSpec
+from pdserve.launch.registrar import RegistrarSpec
 
 
 def router_binary() -> str:
@@ -27,6 +28,8 @@ class RouterSpec:
     worker_urls: plain (non-PD) workers; PD modes leave it empty and put `--vllm-pd-disaggregation
     ...` in extra_args. start_after_instances: start it once every instance answers /health
     (static workers); False starts it with the instances (discovery: instances register with it).
+    registrar: discovery through pdserve's registrar, which then runs with the router as one
+    process (launch/registrar/) and gives the router its discovery flags.
     """
 
     port: int
@@ -37,6 +40,7 @@ class RouterSpec:
     start_after_instances: bool = True
     health_path: str = "/health"
     name: str = "router"
+    registrar: RegistrarSpec | None = None
 
     @property
     def url(self) -> str:
@@ -48,4 +52,6 @@ class RouterSpec:
         if self.worker_urls:
             argv += ["--worker-urls", *self.worker_urls]
         argv += self.extra_args
+        if self.registrar is not None:
+            argv = list(self.registrar.wrap(argv))
         return ProcessSpec(self.name, tuple(argv), {}, run_dir / f"{self.name}.log", f"{self.url}{self.health_path}")

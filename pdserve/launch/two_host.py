@@ -79,7 +79,7 @@ class TwoHostPD:
     def __enter__(self) -> TwoHostPD:
         from dataclasses import replace
 
-        from pdserve.control.secret import generate_secret_file
+        from pdserve.control.secret import SECRET_FILE_ENV, generate_secret_file
         from pdserve.model.build import resolve_model
 
         self.options = replace(self.options, model=str(resolve_model(self.options.model)))
@@ -90,7 +90,8 @@ class TwoHostPD:
             generate_secret_file(secret)
             a = self.hosts.ip("a")
             self.processes["router"] = self.hosts.start(
-                "a", "router", [*_pdserve(), "router", "--host-ip", a, "--port", str(ROUTER_PORT)])
+                "a", "router", [*_pdserve(), "router", "--host-ip", a, "--port", str(ROUTER_PORT)],
+                env={SECRET_FILE_ENV: str(secret)})
             for role in HOSTS:
                 self.processes[role] = self.hosts.start(HOSTS[role], role, self.instance_argv(role, secret),
                                                         env=self.instance_env)

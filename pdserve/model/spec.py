@@ -1,15 +1,16 @@
-"""Model sizes that `pdserve make-model` builds."""
+"""Shapes of the models `pdserve make-model` builds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.errors import ConfigError
+DEFAULT_SEED = 0
+MAX_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a Llama-architecture model and its tokenizer's vocabulary."""
+    """The shape every architecture shares: a decoder stack and its tokenizer's vocabulary."""
 
     name: str
     hidden_size: int
@@ -21,12 +22,12 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int = 4096
 
-    @property
-    def num_params(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attention = 2 * h * self.num_heads * self.head_dim + 2 * h * kv
-        layer = attention + 3 * h * self.intermediate_size + 2 * h
-        return self.num_layers * layer + 2 * self.vocab_size * h + h
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(ModelSpec):
+    """A model whose sliding-window layers attend to the last `sliding_window` tokens only."""
+
+    sliding_window: int = 128
 
 
 SIZES: dict[str, ModelSpec] = {
@@ -35,10 +36,4 @@ SIZES: dict[str, ModelSpec] = {
     "small": ModelSpec("small", hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
                        intermediate_size=2816, vocab_size=8192),
 }
-
-
-def spec_for(size: str) -> ModelSpec:
-    try:
-        return SIZES[size]
-    except KeyError:
-        raise ConfigError(f"unknown model size {size!r} (known: {', '.join(SIZES)})") from None
+TINY = SIZES["tiny"]

@@ -1,5 +1,6 @@
 """End to end: `pdserve bench --quick` on the tiny model: calibration, collocated (on the
-calibration deployment) and adaptive.
+calibration deployment) and adaptive, into a new run directory under the work directory, leaving
+every committed file as it was.
 
 Starts real vLLM (through the launcher) and real `vllm bench serve`; a few minutes on 2 cores.
 """
@@ -7,26 +8,52 @@ Starts real vLLM (through the launcher) and real `vllm bench serve`; a few minut
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from pdserve.bench.placements import CHUNK_PREFIX
 from pdserve.bench.plan import BenchPlan
 from pdserve.cli import main
+from pdserve.paths import work_dir
 from tests.integration.port_check import still_bound
 
 PORT = 31100  # not the CLI default, so a manual `pdserve bench` and this test do not collide
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def committed_state() -> str:
+    """What git sees changed in the tracked files the bench could touch (docs and committed runs)."""
+    return subprocess.run(["git", "status", "--porcelain", "--", "benchmarks", "docs", "README.md"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def new_run(before: set[Path]) -> Path:
+    runs = set((work_dir() / "runs").glob("bench-quick-*")) - before
+    assert len(runs) == 1, runs
+    return runs.pop()
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-def test_quick_bench_calibrates_replays_one_stream_and_reports(tmp_path, tiny_model_dir):
-    out = tmp_path / "quick"
+def test_quick_bench_calibrates_replays_one_stream_and_reports(tiny_model_dir):
     # the quick preset's configurations less write (its deployment is the same as adaptive's, minus placement),
     # one seed, 12 prompts: the machinery end to end in CI time
     argv = ["bench", "--quick", "--configs", "collocated,adaptive", "--seeds", "1", "--num-prompts", "12",
-            "--out", str(out), "--port", str(PORT)]
+            "--port", str(PORT)]
+    committed, before = committed_state(), set((work_dir() / "runs").glob("bench-quick-*"))
     rc = main(argv)
+    out = new_run(before)
+    try:
+        check_run(out, rc)
+        assert committed_state() == committed  # the README's command touches no committed file
+    finally:
+        shutil.rmtree(out)
+
+
+def check_run(out: Path, rc: int) -> None:
     assert rc == 0
 
     calibration = json.loads((out / "calibration.json").read_text())
@@ -74,8 +101,8 @@ def test_quick_bench_calibrates_replays_one_stream_and_reports(tmp_path, tiny_mo
     # nothing left running: the launcher's ports are free again
     bound = still_bound(range(PORT, PORT + 6))
     assert not bound, bound
-    # a second identical invocation resumes: every point is done, so it starts nothing and rewrites the report
-    assert main(argv) == 0
+    # --out alone resumes: every point is done, so it starts nothing and rewrites the report
+    assert main(["bench", "--out", str(out), "--port", str(PORT)]) == 0
     # SLOs evaluated afterwards on the same requests are marked as such
     assert main(["bench", "--report-only", "--out", str(out), "--slo", "late:ttft<2000,max_gap<200"]) == 0
     assert "## SLO `late:ttft<2000,max_gap<200` (added after the run, with --report-only)" in (out / "report.md").read_text()

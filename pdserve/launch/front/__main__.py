@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import resource
 import signal
 import sys
 
-from pdserve.launch.front.config import FrontConfig, Upstream
+from pdserve.errors import ConfigError
+from pdserve.launch.front.config import FrontConfig, Limits, Upstream, limit_flag
 from pdserve.launch.front.server import FrontServer
 
 logger = logging.getLogger("pdserve.launch.front")
+FILES_PER_CONNECTION = 3  # a client connection served, one waiting, one to the upstream
+SPARE_FILES = 64
 
 
 def parse_args(argv: list[str] | None = None) -> FrontConfig:
@@ -24,16 +29,35 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
     p.add_argument("--upstream", required=True, metavar="NAME=URL", help="where requests go, e.g. router=http://...")
     p.add_argument("--models-from", action="append", required=True, metavar="NAME=URL",
                    help="an instance asked for GET /v1/models (repeat; asked in order)")
+    p.add_argument("--direct-to", action="append", default=[], metavar="NAME=URL",
+                   help="an instance that answers a whole request alone, for those a PD router merges wrong (repeat)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--idle-timeout", type=float, default=600.0)
+    for field in dataclasses.fields(Limits):
+        p.add_argument(limit_flag(field.name), type=type(field.default), default=field.default)
     args = p.parse_args(argv)
-    return FrontConfig(args.host, args.port, _upstream(args.upstream), tuple(map(_upstream, args.models_from)),
-                       args.drain_timeout, args.idle_timeout)
+    try:
+        limits = Limits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Limits)})
+        return FrontConfig(args.host, args.port, _upstream(args.upstream), tuple(map(_upstream, args.models_from)),
+                           tuple(map(_upstream, args.direct_to)), args.drain_timeout, limits)
+    except ConfigError as exc:
+        p.error(str(exc))
 
 
 def _upstream(text: str) -> Upstream:
     name, _, url = text.partition("=")
     return Upstream.parse(name, url)
+
+
+def raise_file_limit(max_connections: int) -> None:
+    """Let the process open the files its connection limit needs (up to the hard limit); refuse if it cannot."""
+    needed = FILES_PER_CONNECTION * max_connections + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise ConfigError(f"{limit_flag('max_connections')} {max_connections} needs {needed} open files; this "
+                          f"process may open {hard} (ulimit -Hn): lower it")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
 async def serve(config: FrontConfig) -> None:
@@ -54,7 +78,17 @@ async def serve(config: FrontConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    asyncio.run(serve(parse_args(argv)))
+    config = parse_args(argv)
+    try:
+        raise_file_limit(config.limits.max_connections)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"error: the front cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 

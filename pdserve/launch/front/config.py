@@ -1,7 +1,8 @@
-"""What one front process serves: where it listens, where requests go, how long it drains."""
+"""What one front process serves: where it listens, where requests go, what a client may hold of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.parse
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from pdserve.errors import ConfigError
 
 @dataclass(frozen=True)
 class Upstream:
-    """A server the front forwards to, named for messages ("router", "prefill")."""
+    """A server the front forwards to, named for messages ("router", "decode")."""
 
     name: str
     host: str
@@ -29,21 +30,62 @@ class Upstream:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What one client may hold of the front.
+
+    max_connections: client connections served at once; one more waits up to `connection_wait`
+    seconds for a free one (at most max_connections wait), then is answered 503.
+    max_header_bytes / max_headers: the longest request line or header line, and how many header
+    lines (a longer head is answered 400). max_body_bytes: the largest request body (413).
+    head_timeout: from a connection's opening, or the end of its previous response, how long it has
+    to send a complete request head; it is closed after that (a slow or idle client).
+    body_timeout: from the end of the head, how long the whole request body may take (408).
+    idle_timeout: the longest silence from the upstream, before its response head (a prefill
+    computing) and between two pieces of its body, and the longest a client may take to accept one
+    piece; a stream as such has no deadline.
+    """
+
+    max_connections: int = 1024
+    connection_wait: float = 1.0
+    max_header_bytes: int = 8190
+    max_headers: int = 100
+    max_body_bytes: int = 16 << 20
+    head_timeout: float = 5.0
+    body_timeout: float = 60.0
+    idle_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if not getattr(self, field.name) > 0:
+                raise ConfigError(f"front limit {field.name} must be positive, got {getattr(self, field.name)}")
+        if self.connection_wait >= self.head_timeout:
+            raise ConfigError(f"front limit connection_wait ({self.connection_wait} s) must be shorter than "
+                              f"head_timeout ({self.head_timeout} s)")
+
+
+def limit_flag(name: str) -> str:
+    """The front's command-line flag for the Limits field `name`."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
 class FrontConfig:
-    """upstream: where every request goes (the router, or the only instance). model_sources:
-    the instances, asked in order for GET /v1/models. drain_timeout: after SIGTERM, how long
-    requests in flight may take to finish. idle_timeout: the longest silence tolerated from
-    either side of a request in flight (an upstream still computing a prefill sends nothing)."""
+    """upstream: where requests go (the router, or the only instance). model_sources: the
+    instances, asked in order for GET /v1/models. direct_sources: instances that answer a whole
+    request alone (PD's decode instances), for the requests a PD router's merge answers wrong
+    (routes.py); empty where the upstream answers every request itself. drain_timeout: after
+    SIGTERM, how long requests in flight may take to finish."""
 
     host: str
     port: int
     upstream: Upstream
     model_sources: tuple[Upstream, ...]
+    direct_sources: tuple[Upstream, ...] = ()
     drain_timeout: float = 30.0
-    idle_timeout: float = 600.0
+    limits: Limits = Limits()
 
     def __post_init__(self) -> None:
         if not self.model_sources:
             raise ConfigError("the front needs at least one instance to ask for /v1/models")
-        if self.drain_timeout < 0 or self.idle_timeout <= 0:
-            raise ConfigError(f"bad front timeouts: drain {self.drain_timeout}, idle {self.idle_timeout}")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"front drain timeout must be 0 or more, got {self.drain_timeout}")

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from pdserve.launch.front.http1 import response_bytes
+from aiohttp import web
 
 # vLLM's names where it has one (vllm/entrypoints/serve/exception_handling/error_response.py)
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -46,8 +46,16 @@ class OpenAIError:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
         return json.dumps({"error": error}).encode()
 
-    def response(self) -> bytes:
-        return response_bytes(self.status, _reason(self.status), "application/json", self.body())
+    def response(self, close: bool = False) -> web.Response:
+        """The response; `close`: the connection ends after it (the request was not read whole)."""
+        return _json_response(self.status, self.body(), close)
+
+    def raw(self) -> bytes:
+        """The response as bytes for a bare transport, closing the connection."""
+        body = self.body()
+        head = (f"HTTP/1.1 {self.status} {_reason(self.status)}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        return head.encode("latin-1") + body
 
 
 @dataclass(frozen=True)
@@ -57,8 +65,15 @@ class ErrorBody:
     status: int
     body: bytes
 
-    def response(self) -> bytes:
-        return response_bytes(self.status, _reason(self.status), "application/json", self.body)
+    def response(self) -> web.Response:
+        return _json_response(self.status, self.body, close=False)
+
+
+def _json_response(status: int, body: bytes, close: bool) -> web.Response:
+    response = web.Response(status=status, reason=_reason(status), body=body, content_type="application/json")
+    if close:
+        response.force_close()
+    return response
 
 
 def _openai_object(value: object) -> bool:

@@ -6,8 +6,8 @@
 
 While draining the listener stays open and every new request is answered 503 in OpenAI's shape
 ("pdserve is shutting down ..."), so a client learns why instead of seeing a refused connection;
-requests already in flight run to their end, until `drain_timeout`. Then every connection still
-open is closed and the listener with them.
+requests already in flight run to their end, until `drain_timeout`. Then those still in flight
+are cancelled, every connection is closed, and the listener and the upstream pool with them.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import logging
+
+from aiohttp import web
 
 from pdserve.errors import LaunchError
-from pdserve.launch.front import exchange
 from pdserve.launch.front.config import FrontConfig
-from pdserve.launch.front.exchange import Client
-from pdserve.launch.front.http1 import MAX_HEAD_BYTES, HttpProtocolError, read_request_head
+from pdserve.launch.front.connections import Connections, ConnectionSlots
+from pdserve.launch.front.exchange import Exchange
 from pdserve.launch.front.openai_error import OpenAIError
+from pdserve.launch.front.routes import Routes
 
-logger = logging.getLogger(__name__)
-
-HEAD_TIMEOUT = 60.0  # a connection that sends no request head in this long is closed
 DRAINING_MESSAGE = "pdserve is shutting down: new requests are refused while the ones in flight finish"
+LINGER_S = 2.0  # after an answer to a request not read whole (413, 408), how long its rest is read and dropped
+CLOSE_TIMEOUT = 1.0  # at the end of the drain, how long a connection may take to close
 
 
 class State(enum.Enum):
@@ -38,14 +38,16 @@ class State(enum.Enum):
 
 
 class FrontServer:
-    """An asyncio server with one task per connection; a connection carries one request."""
+    """aiohttp's HTTP/1.1 server on the client side, an aiohttp client pool on the upstream side."""
 
     def __init__(self, config: FrontConfig) -> None:
         self.config = config
         self.state = State.NEW
-        self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task] = set()  # every open connection
-        self._in_flight: set[asyncio.Task] = set()  # those whose request was accepted
+        self._slots = ConnectionSlots(config.limits.max_connections, config.limits.connection_wait)
+        self._exchange = Exchange(Routes(config.upstream, config.direct_sources), config.model_sources, config.limits)
+        self._connections: Connections | None = None  # made on the loop, by start()
+        self._listener: asyncio.Server | None = None
+        self._in_flight: set[asyncio.Task] = set()  # the handlers of requests accepted, until they return
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
 
@@ -53,10 +55,31 @@ class FrontServer:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def num_connections(self) -> int:
+        """Client connections being served (those waiting for a slot not counted)."""
+        return self._slots.num_held
+
+    @property
+    def num_waiting(self) -> int:
+        """Client connections waiting for a slot."""
+        return self._slots.num_waiting
+
     async def start(self) -> None:
         self._expect(State.NEW)
-        self._server = await asyncio.start_server(self._serve, self.config.host, self.config.port,
-                                                  limit=MAX_HEAD_BYTES, reuse_address=True)
+        limits = self.config.limits
+        self._connections = Connections(
+            self._handle, self._slots, keepalive_timeout=limits.head_timeout, max_line_size=limits.max_header_bytes,
+            max_field_size=limits.max_header_bytes, max_headers=limits.max_headers, auto_decompress=False,
+            access_log=None, lingering_time=LINGER_S)
+        await self._exchange.open()
+        try:
+            self._listener = await asyncio.get_running_loop().create_server(
+                self._connections, self.config.host, self.config.port, reuse_address=True,
+                backlog=self.config.limits.max_connections)
+        except BaseException:
+            await self._exchange.close()
+            raise
         self.state = State.SERVING
 
     async def drain(self) -> int:
@@ -68,44 +91,32 @@ class FrontServer:
             async with asyncio.timeout(self.config.drain_timeout):
                 await self._idle.wait()
         num_cut_off = len(self._in_flight)
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._connections):
+        stragglers = list(self._in_flight)
+        for task in stragglers:
             task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
-        await self._server.wait_closed()
+        await asyncio.gather(*stragglers, return_exceptions=True)
+        assert self._listener is not None and self._connections is not None
+        self._listener.close()
+        self._connections.pre_shutdown()
+        await self._connections.shutdown(CLOSE_TIMEOUT)
+        await self._listener.wait_closed()
+        await self._exchange.close()
         self.state = State.STOPPED
         return num_cut_off
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if self.state is not State.SERVING:
+            return OpenAIError(503, DRAINING_MESSAGE).response(close=True)
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
-        client = Client(reader, writer)
+        self._in_flight.add(task)
+        self._idle.clear()
         try:
-            try:
-                async with asyncio.timeout(HEAD_TIMEOUT):
-                    request = await read_request_head(reader)
-            except HttpProtocolError as exc:
-                await client.send(OpenAIError(400, f"malformed request: {exc}").response())
-                return
-            if self.state is not State.SERVING:
-                await client.send(OpenAIError(503, DRAINING_MESSAGE).response())
-                return
-            self._in_flight.add(task)
-            self._idle.clear()
-            await exchange.handle(request, client, self.config.upstream, self.config.model_sources,
-                                  self.config.idle_timeout)
-        except (ConnectionError, asyncio.IncompleteReadError, HttpProtocolError, TimeoutError) as exc:
-            logger.debug("connection ended early: %r", exc)  # a side went away mid-request
-        except Exception:  # the connection's boundary: one bad exchange must not stop the server
-            logger.exception("front: request failed")
+            return await self._exchange.handle(request)
         finally:
             self._in_flight.discard(task)
             if not self._in_flight:
                 self._idle.set()
-            self._connections.discard(task)
-            writer.close()
 
     def _expect(self, state: State) -> None:
         if self.state is not state:

@@ -64,4 +64,4 @@ def test_bench_pair_command_prints_and_writes_the_table(tmp_path, capsys):
                  "--slo", "loose:ttft<5000", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed == out.read_text() and "| loose |" in printed and "| blog |" not in printed
-    assert main(["bench-pair", f"{before}:adaptive", f"{tmp_path / 'missing'}:adaptive"]) == 1
+    assert main(["bench-pair", f"{before}:adaptive", f"{tmp_path / 'missing'}:adaptive"]) == 2  # bad input

@@ -2,7 +2,7 @@ import pytest
 
 from pdserve.bench.plan import BenchPlan, Point
 from pdserve.bench.presets import PRESETS, preset
-from pdserve.bench.results import ResultsDir
+from pdserve.bench.results import PlanMismatch, ResultsDir
 from pdserve.errors import ConfigError
 from tests.unit.bench import synthetic
 
@@ -45,8 +45,27 @@ def test_results_dir_resume_rules(tmp_path):
     assert results.open_plan(plan) == plan
     assert results.open_plan(None) == plan  # resume reads the stored plan
     assert results.open_plan(plan) == plan
-    with pytest.raises(ConfigError, match="different plan"):
-        results.open_plan(synthetic.plan(seeds=(1, 2, 3)))
+    other = synthetic.plan(seeds=(1, 2, 3))
+    assert results.open_plan(other) == other  # nothing measured yet: a corrected plan replaces it
+    assert results.open_plan(plan) == plan
+    results.calibration_path.write_text("{}")  # measured: now the plan is fixed
+    with pytest.raises(PlanMismatch, match="different plan") as refused:
+        results.open_plan(other)
+    assert refused.value.fields == ("seeds",)
+    assert results.open_plan(plan) == plan
+
+
+def test_results_dir_counts_a_measured_point(tmp_path):
+    results = ResultsDir(tmp_path / "run")
+    plan = synthetic.plan()
+    results.open_plan(plan)
+    assert not results.measured()
+    point = plan.points()[0]
+    results.raw_path(point).parent.mkdir(parents=True)
+    synthetic.write(results.raw_path(point), synthetic.point_data(3, 0))
+    assert results.measured()
+    with pytest.raises(PlanMismatch):
+        results.open_plan(synthetic.plan(rates=(1.0,)))
 
 
 def test_point_done_only_when_raw_file_reads_back(tmp_path):

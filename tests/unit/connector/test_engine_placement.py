@@ -93,10 +93,12 @@ def test_read_d_status_reaches_p_rate_limited():
         assert pair.d.engine.placement.take_news() is None  # a status is P's news, not D's
 
 
-def test_the_worker_hands_the_engine_every_message_but_the_handshake_and_ping():
+def test_the_worker_hands_the_engine_every_message_but_the_handshake_ping_and_registration():
     """A message type the worker's server does not pass on is dropped with a warning in a real
-    deployment, whatever the engine would do with it (the engine tests above bypass the server)."""
+    deployment, whatever the engine would do with it (the engine tests above bypass the server).
+    A Registration is for the router's registrar, never for a worker."""
     from pdserve.connector.worker import TRANSFER_MESSAGES
     from pdserve.control.messages import MESSAGE_TYPES, HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong
-    conversation = {HandshakeRequest, HandshakeReply, HandshakeRefused, Ping, Pong}
+    from pdserve.control.registration import Registration
+    conversation = {HandshakeRequest, HandshakeReply, HandshakeRefused, Ping, Pong, Registration}
     assert set(TRANSFER_MESSAGES) == set(MESSAGE_TYPES.values()) - conversation

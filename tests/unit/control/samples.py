@@ -52,6 +52,12 @@ SAMPLES = {
     "counted_transfers": ["xfer-1", "xfer-2"],
     "prefill_token_s": 0.0006,
     "placed_local": {"127.0.0.1:6301": 7},
+    "type": "P",
+    "http_address": "127.0.0.1:8100",
+    "zmq_address": "host:127.0.0.1,handshake:6301,notify:6401",
+    "transfer_mode": "WRITE",
+    "tp_size": 1,
+    "dp_size": 1,
 }
 
 

@@ -1,17 +1,19 @@
-"""A fake upstream for front tests, answering the way vllm-router and vLLM do, and a loop thread
-that runs it and a FrontServer together on real sockets."""
+"""A fake upstream for front tests, answering the way vllm-router and vLLM do (over kept-alive
+connections it counts), and a loop thread that runs it and a FrontServer together on real sockets."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
-import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pdserve.launch.front.config import FrontConfig, Upstream
+from aiohttp import web
+
+from pdserve.launch.front.config import FrontConfig, Limits, Upstream
 from pdserve.launch.front.server import FrontServer
 
 MODELS = {"object": "list", "data": [{"id": "/models/tiny", "object": "model"}]}
@@ -27,79 +29,61 @@ ROUTER_TEXT = {
 }
 
 
-def _response(status: int, body: bytes, content_type: str = "application/json", extra: str = "") -> bytes:
-    return (f"HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
-            ).encode() + body
-
-
 @dataclass
 class FakeUpstream:
-    """Routes: /health, /v1/models, /echo (the request as it arrived: head and body), /stream?n=&gap=
-    (chunked SSE, one event per `gap` s), /slow?s=, /vllm-404, /empty-404, /chunked-503, ROUTER_TEXT."""
+    """Routes: /health, /v1/models, /echo and /v1/completions (the request as it arrived: method,
+    target, headers, body, and this upstream's name), /stream?n=&gap=&pad= (chunked SSE, one event per `gap` s,
+    each `pad` bytes longer), /slow?s=,
+    /vllm-404, /empty-404, /chunked-503, ROUTER_TEXT."""
 
     port: int
-    requests: list[bytes] = field(default_factory=list)  # every request head received
-    tasks: set = field(default_factory=set)  # connections being answered
+    name: str = "upstream"
+    requests: list[str] = field(default_factory=list)  # every request's method and target
+    peers: set = field(default_factory=set)  # the (host, port) of every connection a request came on
+    num_streams_cancelled: int = 0  # /stream requests whose client (the front) went away mid-stream
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.tasks.add(asyncio.current_task())
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            self.requests.append(head)
-            line, *headers = head.decode("latin-1").split("\r\n")
-            method, target, _ = line.split(" ")
-            url = urllib.parse.urlsplit(target)
-            query = dict(urllib.parse.parse_qsl(url.query))
-            lower = {h.split(":", 1)[0].lower(): h.split(":", 1)[1].strip() for h in headers if ":" in h}
-            writer.write(await self._answer(method, url.path, query, lower, head, reader, writer))
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the front went away first (a request cut off on purpose)
-        finally:
-            self.tasks.discard(asyncio.current_task())
-            writer.close()
-
-    async def close(self, server: asyncio.Server) -> None:
-        server.close()
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await server.wait_closed()
-
-    async def _answer(self, method, path, query, headers, head, reader, writer) -> bytes:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.requests.append(f"{request.method} {request.raw_path}")
+        self.peers.add(request.transport.get_extra_info("peername"))
+        path, query = request.path, request.query
         if path in ("/health", "/v1/models"):
-            return _response(200, json.dumps(MODELS).encode() if path == "/v1/models" else b"ok")
-        if path == "/echo":
-            if "content-length" in headers:
-                body = await reader.readexactly(int(headers["content-length"]))
-            else:
-                body = await reader.readuntil(b"0\r\n\r\n")
-            return _response(200, json.dumps({"head": head.decode("latin-1"), "body": body.decode("latin-1")}).encode())
-        if path == "/continue":
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            body = await reader.readexactly(int(headers["content-length"]))
-            return _response(200, body)
+            return web.json_response(MODELS) if path == "/v1/models" else web.Response(text="ok")
+        if path in ("/echo", "/v1/completions"):
+            body = await request.read()
+            return web.json_response({"method": request.method, "target": request.raw_path, "upstream": self.name,
+                                      "headers": [[k.decode("latin-1"), v.decode("latin-1")]
+                                                  for k, v in request.raw_headers],
+                                      "body": body.decode("latin-1")})
         if path == "/stream":
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-            for i in range(int(query.get("n", 3))):
-                event = f"data: {json.dumps({'i': i})}\n\n".encode()
-                writer.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
-                await writer.drain()
-                await asyncio.sleep(float(query.get("gap", 0.05)))
-            return b"0\r\n\r\n"
+            response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            padding = {"pad": "x" * int(query["pad"])} if "pad" in query else {}
+            try:
+                for i in range(int(query.get("n", 3))):
+                    await response.write(f"data: {json.dumps({'i': i, **padding})}\n\n".encode())
+                    await asyncio.sleep(float(query.get("gap", 0.05)))
+            except (asyncio.CancelledError, ConnectionError):
+                self.num_streams_cancelled += 1
+                raise
+            await response.write_eof()
+            return response
         if path == "/slow":
             await asyncio.sleep(float(query.get("s", 1)))
-            return _response(200, b'{"slept": true}')
+            return web.json_response({"slept": True})
         if path == "/vllm-404":
-            return _response(404, json.dumps(VLLM_404).encode())
+            return web.json_response(VLLM_404, status=404)
         if path == "/empty-404":
-            return _response(404, b"", "text/plain")
+            return web.Response(status=404, content_type="text/plain")
         if path == "/chunked-503":
-            text = b"No prefill servers available"
-            return (b"HTTP/1.1 503 X\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n"
-                    + f"{len(text):x}\r\n".encode() + text + b"\r\n0\r\n\r\n")
+            response = web.StreamResponse(status=503, headers={"content-type": "text/plain"})
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            await response.write(b"No prefill servers available")
+            await response.write_eof()
+            return response
         status, text = ROUTER_TEXT[path]
-        return _response(status, text.encode(), "text/plain; charset=utf-8")
+        return web.Response(status=status, text=text)
 
 
 @dataclass
@@ -107,6 +91,7 @@ class Running:
     front: FrontServer
     upstream: FakeUpstream
     loop: asyncio.AbstractEventLoop
+    direct: list[FakeUpstream]
 
     @property
     def url(self) -> str:
@@ -121,29 +106,44 @@ class Running:
         return asyncio.run_coroutine_threadsafe(self.front.drain(), self.loop)
 
 
+async def serve_fake(fake: FakeUpstream) -> web.AppRunner:
+    """`fake` listening on 127.0.0.1:fake.port until the runner is cleaned up."""
+    runner = web.ServerRunner(web.Server(fake.handle, handler_cancellation=True), handle_signals=False,
+                              access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", fake.port, reuse_address=True).start()
+    return runner
+
+
 @contextmanager
-def running(port: int, drain_timeout: float = 5.0, models_from: tuple[int, ...] = (), idle_timeout: float = 10.0,
-            upstream_port: int | None = None) -> Iterator[Running]:
+def running(port: int, drain_timeout: float = 5.0, models_from: tuple[int, ...] = (), upstream_port: int | None = None,
+            direct: tuple[int, ...] = (), **limits) -> Iterator[Running]:
     """A FakeUpstream on port+1 and a FrontServer on `port` in front of it (or of `upstream_port`),
-    asking `models_from` ports (default: the fake) for /v1/models; stopped and closed afterwards."""
+    asking `models_from` ports (default: the fake) for /v1/models, with FakeUpstreams named
+    "direct<port>" as its direct sources on `direct` ports, and `limits` (Limits fields, idle_timeout
+    10 s unless given); stopped and closed afterwards."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="front-test-loop", daemon=True)
     thread.start()
     fake = FakeUpstream(port + 1)
+    direct_fakes = [FakeUpstream(p, f"direct{p}") for p in direct]
     sources = tuple(Upstream(f"instance{p}", "127.0.0.1", p) for p in (models_from or (fake.port,)))
     config = FrontConfig("127.0.0.1", port, Upstream("router", "127.0.0.1", upstream_port or fake.port), sources,
-                         drain_timeout, idle_timeout)
+                         tuple(Upstream(f.name, "127.0.0.1", f.port) for f in direct_fakes), drain_timeout,
+                         dataclasses.replace(Limits(idle_timeout=10.0), **limits))
     front = FrontServer(config)
-    fake_server = asyncio.run_coroutine_threadsafe(
-        asyncio.start_server(fake.serve, "127.0.0.1", fake.port, reuse_address=True), loop).result(10)
-    run = Running(front, fake, loop)
+    run = Running(front, fake, loop, direct_fakes)
+    runners = []
     try:
+        for each in (fake, *direct_fakes):
+            runners.append(run.call(serve_fake(each)))
         run.call(front.start())
         yield run
     finally:
         if front.state.value == "serving":
             run.call(front.drain())
-        run.call(fake.close(fake_server))
+        for runner in runners:
+            run.call(runner.cleanup())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()

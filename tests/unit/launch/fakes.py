@@ -41,6 +41,7 @@ class FakeInstance:
     delay: float = 0.2
     behaviour: str = "ok"  # ok | die | never-healthy | ignore-term
     override: Path | None = None  # when this file exists, a start reads "<behaviour> <delay>" from it
+    role: str = "both"  # as InstanceSpec.role: plain vLLM
 
     @property
     def url(self) -> str:

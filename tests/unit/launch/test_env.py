@@ -2,14 +2,15 @@ import importlib.metadata
 import subprocess
 import sys
 
-from pdserve.launch.env import cache_dir, project_root, vllm_env
+from pdserve.launch.env import cache_dir, vllm_env
+from pdserve.paths import work_dir
 
 
 def test_vllm_files_stay_in_the_project_and_offline():
     env = vllm_env()
     for key in ("VLLM_RPC_BASE_PATH", "TMPDIR", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "HF_HOME"):
         assert env[key].startswith(str(cache_dir())), key
-    assert cache_dir().parent == project_root()
+    assert cache_dir().parent == work_dir()
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1" and env["VLLM_TARGET_DEVICE"] == "cpu"
 
 

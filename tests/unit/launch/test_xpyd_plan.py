@@ -26,8 +26,8 @@ def test_one_prefill_one_decode_keeps_the_1p1d_layout():
     d = shape(1, 1)
     assert [(i.name, i.role, i.port, i.cores) for i in d.instances] == [
         ("prefill", "prefill", 29001, (0,)), ("decode", "decode", 29002, (1,))]
-    assert d.router.prometheus_port == 29003 and d.extra_ports == (29004, 29005, 29006, 29007, 29008)
-    assert d.router.port == 29009 and d.front.port == 29000 and d.warnings == ()
+    assert d.router.prometheus_port == 29003 and d.extra_ports == (29004, 29005, 29006, 29007, 29008, 29009)
+    assert d.router.port == 29010 and d.front.port == 29000 and d.warnings == ()
     p, dec = (config_of(i)["kv_connector_extra_config"] for i in d.instances)
     assert (p["handshake_port"], p["notify_port"], dec["handshake_port"], dec["notify_port"]) == (29005, 29006, 29007, 29008)
 
@@ -38,7 +38,7 @@ def test_every_instance_has_its_own_ports_and_registers_with_the_router(mode, n,
     d = shape(n, m, mode, cores=tuple(range(64)), port=29000)
     assert [i.role for i in d.instances] == ["prefill"] * n + ["decode"] * m
     assert len(set(d.ports)) == len(d.ports) and min(d.ports) == 29000
-    assert sorted(d.ports) == list(range(29000, 29000 + 3 * (n + m) + 4))  # consecutive, none twice
+    assert sorted(d.ports) == list(range(29000, 29000 + 3 * (n + m) + 5))  # consecutive, none twice
     layout = PortLayout(29000, n, m)
     configs = [config_of(i) for i in d.instances]
     for index, (instance, config) in enumerate(zip(d.instances, configs)):
@@ -49,7 +49,9 @@ def test_every_instance_has_its_own_ports_and_registers_with_the_router(mode, n,
         assert (extra["proxy_ip"], extra["proxy_ping_port"]) == ("127.0.0.1", layout.discovery)
         assert extra["read_mode"] is (mode == "read")
     router_args = " ".join(d.router.extra_args)
-    assert f"--vllm-discovery-address 127.0.0.1:{layout.discovery}" in router_args
+    argv = " ".join(d.router.process_spec(Path("/r")).argv)  # the registrar, vllm-router its child
+    assert f"--listen 127.0.0.1:{layout.discovery} " in argv and f"--router-port {layout.router_discovery} " in argv
+    assert argv.endswith(f"--vllm-discovery-address 127.0.0.1:{layout.router_discovery}")
     assert "--prefill-policy round_robin --decode-policy power_of_two" in router_args
     names = [i.name for i in d.instances]
     assert len(set(names)) == len(names)
@@ -117,7 +119,7 @@ def test_instance_counts_are_checked(count):
 
 
 def test_ports_past_the_last_one_are_refused():
-    with pytest.raises(ConfigError, match="need ports up to 65551: choose a lower --port"):
+    with pytest.raises(ConfigError, match="need ports up to 65552: choose a lower --port"):
         shape(8, 8, port=65500)
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from pdserve.control.registration import RegistrationHeartbeat
+from pdserve.control.codec import Codec
+from pdserve.control.registration import Registration, RegistrationHeartbeat
+from pdserve.control.secret import load_secret
 from pdserve.launch import UpOptions, plan
 from pdserve.launch.process import ManagedProcess
 
@@ -64,10 +66,11 @@ def test_any_prefill_pairs_with_any_decode(tmp_path: Path, mode):
             server.name = instance.name
             threading.Thread(target=server.serve_forever, daemon=True).start()
             servers.append(server)
-            beats.append(RegistrationHeartbeat("127.0.0.1", config["proxy_ping_port"], {
-                "type": "P" if instance.role == "prefill" else "D", "http_address": f"127.0.0.1:{instance.port}",
-                "zmq_address": f"host:127.0.0.1,handshake:{config['handshake_port']},notify:{config['notify_port']}",
-                "transfer_mode": mode.upper(), "tp_size": 1, "dp_size": 1}, interval_s=0.5))
+            registration = Registration(
+                "P" if instance.role == "prefill" else "D", f"127.0.0.1:{instance.port}",
+                f"host:127.0.0.1,handshake:{config['handshake_port']},notify:{config['notify_port']}", mode.upper())
+            beats.append(RegistrationHeartbeat("127.0.0.1", config["proxy_ping_port"], registration,
+                                               Codec(load_secret(config["secret_file"]), instance.name), interval_s=0.5))
         process = ManagedProcess(router.process_spec(tmp_path))
         process.start()
         try:

@@ -1,0 +1,38 @@
+"""What PDConnector serves today, checked when vLLM creates it: anything else is refused at startup
+with a line naming the setting, before vLLM allocates a KV cache.
+
+Supported: one KV cache group of attention layers (dense, sliding-window with vLLM's hybrid KV
+cache manager off, or MLA), tensor, pipeline and data parallel size 1 per instance. Tensor
+parallelism needs each rank to hand its own heads to the peer's matching rank, and hybrid models
+with mamba or linear-attention layers need their state moved beside the KV blocks; neither exists
+yet, and either would otherwise fail later (ports taken twice, vLLM's "Failed to promote local KV
+cache specs") or, worse, move only part of what D needs.
+"""
+
+from __future__ import annotations
+
+from pdserve.errors import ConfigError
+
+PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def unsupported(vllm_config) -> list[str]:
+    """Why PDConnector cannot serve this configuration: one line per reason, empty if it can."""
+    reasons = []
+    parallel = vllm_config.parallel_config
+    for name in PARALLEL_SIZES:
+        size = getattr(parallel, name, 1) or 1
+        if size != 1:
+            reasons.append(f"{name} is {size}; PDConnector moves KV between instances of size 1 only")
+    model = vllm_config.model_config
+    if model is not None and (getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False)):
+        reasons.append(f"model {model.model!r} has mamba or linear-attention layers, whose state PDConnector "
+                       "cannot move yet")
+    return reasons
+
+
+def check_supported(vllm_config) -> None:
+    """ConfigError naming every setting PDConnector cannot serve."""
+    reasons = unsupported(vllm_config)
+    if reasons:
+        raise ConfigError("PDConnector cannot serve this configuration: " + "; ".join(reasons))

@@ -1,0 +1,46 @@
+"""PDConnector refuses at startup what it cannot serve (connector/support.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.connector.support import check_supported, unsupported
+from pdserve.errors import ConfigError
+
+
+def vllm_config(tp=1, pp=1, dp=1, hybrid=False, attention_free=False):
+    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
+    model = SimpleNamespace(model="models/m", is_hybrid=hybrid, is_attention_free=attention_free)
+    return SimpleNamespace(parallel_config=parallel, model_config=model)
+
+
+def test_one_group_of_attention_layers_at_size_one_is_served():
+    assert unsupported(vllm_config()) == []
+    check_supported(vllm_config())
+
+
+@pytest.mark.parametrize("field, kwargs", [("tensor_parallel_size is 2", dict(tp=2)),
+                                           ("pipeline_parallel_size is 2", dict(pp=2)),
+                                           ("data_parallel_size is 4", dict(dp=4))])
+def test_parallel_sizes_above_one_are_refused_by_name(field, kwargs):
+    with pytest.raises(ConfigError, match=field):
+        check_supported(vllm_config(**kwargs))
+
+
+@pytest.mark.parametrize("kwargs", [dict(hybrid=True), dict(attention_free=True)])
+def test_models_with_state_layers_are_refused_naming_the_model(kwargs):
+    with pytest.raises(ConfigError, match="'models/m' has mamba or linear-attention layers"):
+        check_supported(vllm_config(**kwargs))
+
+
+def test_every_reason_is_named_at_once():
+    reasons = unsupported(vllm_config(tp=2, hybrid=True))
+    assert len(reasons) == 2
+
+
+def test_vllm_asks_the_connector_class_before_it_groups_the_kv_cache():
+    from pdserve.connector.connector import PDConnector
+
+    assert PDConnector.get_required_kvcache_layout(vllm_config()) is None
+    with pytest.raises(ConfigError, match="mamba or linear-attention"):
+        PDConnector.get_required_kvcache_layout(vllm_config(hybrid=True))
