@@ -100,6 +100,9 @@ class Cluster:
             self.run_dir = Path(tempfile.mkdtemp(prefix=f"{self.deployment.client_port}-", dir=scratch))
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
+                for spec in (*self.deployment.instances, self.deployment.router, self.deployment.front):
+                    if spec is not None:  # a reused log dir: this launch's logs start empty
+                        self._process_spec(spec).log_path.unlink(missing_ok=True)
             for spec in self.deployment.instances:
                 process = ManagedProcess(self._process_spec(spec))
                 self.instances.append(process)
@@ -155,6 +158,11 @@ class Cluster:
                 process.stop(deadline)
         finally:
             self._remove_run_dir()
+
+    def log_path(self, name: str) -> Path:
+        """Where the process `name` writes its log (in `log_dir` when there is one, else the run dir)."""
+        assert self.run_dir is not None
+        return (self.log_dir or self.run_dir) / f"{name}.log"
 
     def _remove_run_dir(self) -> None:
         if self.run_dir is not None:

@@ -55,7 +55,7 @@ def test_incompatible_peers_refuse_and_both_keep_serving(mode, reference):
         took = time.monotonic() - started
         assert compare_greedy(reference, served).ok, "a refused handshake must end in D's own prefill"
         assert took < TIMEOUTS["handshake_timeout"] + 30, f"took {took:.1f} s: the refusal should be fast"
-        logs = {name: (cluster.run_dir / f"{name}.log").read_text(errors="replace") for name in ("prefill", "decode")}
+        logs = {name: cluster.log_path(name).read_text(errors="replace") for name in ("prefill", "decode")}
         assert any("incompatible KV cache" in text and "block_size" in text for text in logs.values())
         for name, url in cluster.instance_urls.items():
             # well inside defer_timeout (40 s): the refusal itself frees P's blocks

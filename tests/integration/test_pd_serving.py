@@ -300,4 +300,4 @@ def test_prefill_killed_before_decode_has_the_kv(pd, reference):
 
 
 def _log(cluster, name: str) -> str:
-    return (cluster.run_dir / f"{name}.log").read_text(errors="replace")
+    return cluster.log_path(name).read_text(errors="replace")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.model.archs.base import Tensors
-from pdserve.model.scales import BASE_STD, QK_STD
+from pdserve.model.scales import BASE_STD, EMBED_STD, LM_HEAD_STD, QK_STD
 from pdserve.model.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -29,3 +30,20 @@ def gated_mlp(draw: WeightDraw, prefix: str, hidden_size: int, intermediate_size
         prefix + "up_proj.weight": draw.normal(intermediate_size, hidden_size, std=BASE_STD),
         prefix + "down_proj.weight": draw.normal(hidden_size, intermediate_size, std=BASE_STD),
     }
+
+
+def pre_norm_decoder(draw: WeightDraw, spec: ModelSpec,
+                     attention_of: Callable[[WeightDraw, str, ModelSpec], Tensors]) -> Tensors:
+    """Embedding, per layer `attention_of`'s projections, a gated MLP and two unit RMS norms, the final
+    norm and an untied lm_head: Llama's layout, which DeepSeek-V2's dense layers share."""
+    h = spec.hidden_size
+    tensors = {"model.embed_tokens.weight": draw.normal(spec.vocab_size, h, std=EMBED_STD)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        tensors |= attention_of(draw, p + "self_attn.", spec)
+        tensors |= gated_mlp(draw, p + "mlp.", h, spec.intermediate_size)
+        tensors[p + "input_layernorm.weight"] = draw.full(h, value=1.0)
+        tensors[p + "post_attention_layernorm.weight"] = draw.full(h, value=1.0)
+    tensors["model.norm.weight"] = draw.full(h, value=1.0)
+    tensors["lm_head.weight"] = draw.normal(spec.vocab_size, h, std=LM_HEAD_STD)
+    return tensors

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.model.archs import blocks
 from pdserve.model.archs.base import Architecture, SpecialTokens, Tensors, base_config
-from pdserve.model.scales import BASE_STD, EMBED_STD, LM_HEAD_STD, QK_STD
+from pdserve.model.scales import BASE_STD, QK_STD
 from pdserve.model.spec import TINY, ModelSpec
 
 if TYPE_CHECKING:
@@ -71,17 +71,7 @@ def _mla(draw: WeightDraw, prefix: str, spec: MlaSpec) -> Tensors:
 
 def init_weights(spec: ModelSpec, draw: WeightDraw) -> Tensors:
     assert isinstance(spec, MlaSpec)
-    h = spec.hidden_size
-    tensors = {"model.embed_tokens.weight": draw.normal(spec.vocab_size, h, std=EMBED_STD)}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        tensors |= _mla(draw, p + "self_attn.", spec)
-        tensors |= blocks.gated_mlp(draw, p + "mlp.", h, spec.intermediate_size)
-        tensors[p + "input_layernorm.weight"] = draw.full(h, value=1.0)
-        tensors[p + "post_attention_layernorm.weight"] = draw.full(h, value=1.0)
-    tensors["model.norm.weight"] = draw.full(h, value=1.0)
-    tensors["lm_head.weight"] = draw.normal(spec.vocab_size, h, std=LM_HEAD_STD)
-    return tensors
+    return blocks.pre_norm_decoder(draw, spec, _mla)
 
 
 ARCH = Architecture("deepseek-v2", SIZES, hf_config, init_weights)
