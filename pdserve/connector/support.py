@@ -1,8 +1,10 @@
 """What PDConnector serves today, checked when vLLM creates it: anything else is refused at startup
 with a line naming the setting, before vLLM allocates a KV cache.
 
-Supported: one KV cache group of attention layers (dense, sliding-window with vLLM's hybrid KV
-cache manager off, or MLA), tensor, pipeline and data parallel size 1 per instance. Tensor
+Supported: one KV cache group of attention layers (dense, or sliding-window with vLLM's hybrid KV
+cache manager off), tensor, pipeline and data parallel size 1 per instance. MLA is refused: through
+READ mode a DeepSeek-V2-style model on vLLM's reference (non-AMX) MLA backend answered with other
+tokens than collocated serving. Tensor
 parallelism needs each rank to hand its own heads to the peer's matching rank, and hybrid models
 with mamba or linear-attention layers need their state moved beside the KV blocks; neither exists
 yet, and either would otherwise fail later (ports taken twice, vLLM's "Failed to promote local KV
@@ -28,6 +30,9 @@ def unsupported(vllm_config) -> list[str]:
     if model is not None and (getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False)):
         reasons.append(f"model {model.model!r} has mamba or linear-attention layers, whose state PDConnector "
                        "cannot move yet")
+    if model is not None and getattr(model, "use_mla", False):
+        reasons.append(f"model {model.model!r} uses multi-head latent attention (MLA), whose KV cache PDConnector "
+                       "does not move correctly yet")
     return reasons
 
 

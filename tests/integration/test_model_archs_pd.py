@@ -1,7 +1,7 @@
 """Architectures beyond Llama through PD at TP 1: a sliding-window family (Gemma 2 style, alternating
-128-token windows and global layers) in WRITE mode and an MLA family (DeepSeek-V2 style) in READ
-mode answer every prompt as collocated serving of the same model does (under the comparison rule),
-with prompts shorter than a block, on block edges and well past the window.
+128-token windows and global layers) in WRITE mode answers every prompt as collocated serving of the
+same model does (under the comparison rule), with prompts shorter than a block, on block edges and
+well past the window. (MLA is refused at startup: test_unsupported_models.py.)
 
 vLLM turns its hybrid KV cache manager off for PDConnector, so the sliding-window layers keep (and
 PD moves) full-length KV; moving only the window is the open part of hybrid support."""
@@ -32,7 +32,7 @@ def greedy(options: UpOptions, batch: list) -> list:
         return fetch_greedy(cluster.endpoint, batch, max_tokens=MAX_TOKENS, concurrency=4, model=model_of(cluster))
 
 
-@pytest.mark.parametrize("arch, mode", [("gemma2", "write"), ("deepseek-v2", "read")])
+@pytest.mark.parametrize("arch, mode", [("gemma2", "write")])
 def test_pd_equals_collocated(arch, mode):
     batch, model = prompts(), f"{arch}-tiny"
     reference = greedy(UpOptions(mode="collocated", model=model, port=PORT, enforce_eager=True), batch)

@@ -1,6 +1,6 @@
-"""What PDConnector cannot serve yet is refused at startup with its reason (connector/support.py):
-a hybrid model with linear-attention layers through `pdserve up --mode write` ends in one line that
-names the model and the missing support, and nothing is left running."""
+"""What PDConnector cannot serve yet is refused at startup with its reason (connector/support.py): a
+hybrid model with linear-attention layers and an MLA model through `pdserve up` end in one line
+that names the model and the missing support, and nothing is left running."""
 
 import subprocess
 import sys
@@ -12,14 +12,18 @@ pytestmark = pytest.mark.integration
 PORT = 18440
 
 
-def test_hybrid_linear_attention_model_is_refused_at_startup_naming_why():
-    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--mode", "write", "--model", "qwen3-next-tiny",
+@pytest.mark.parametrize("model, mode, why", [
+    ("qwen3-next-tiny", "write", "mamba or linear-attention layers"),
+    ("deepseek-v2-tiny", "read", "multi-head latent attention (MLA)"),
+])
+def test_model_is_refused_at_startup_naming_why(model, mode, why):
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--mode", mode, "--model", model,
                              "--port", str(PORT), "--enforce-eager", "--restart", "never"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "PDConnector cannot serve this configuration" in lines[0], lines[0]
-    assert "mamba or linear-attention layers" in lines[0], lines[0]
+    assert why in lines[0], lines[0]
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert not [line for line in ps.splitlines() if f"--port {PORT + 1}" in line or f"--port {PORT + 2}" in line]

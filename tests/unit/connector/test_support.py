@@ -8,9 +8,10 @@ from pdserve.connector.support import check_supported, unsupported
 from pdserve.errors import ConfigError
 
 
-def vllm_config(tp=1, pp=1, dp=1, hybrid=False, attention_free=False):
+def vllm_config(tp=1, pp=1, dp=1, hybrid=False, attention_free=False, mla=False):
     parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
-    model = SimpleNamespace(model="models/m", is_hybrid=hybrid, is_attention_free=attention_free)
+    model = SimpleNamespace(model="models/m", is_hybrid=hybrid, is_attention_free=attention_free,
+                            use_mla=mla)
     return SimpleNamespace(parallel_config=parallel, model_config=model)
 
 
@@ -44,3 +45,8 @@ def test_vllm_asks_the_connector_class_before_it_groups_the_kv_cache():
     assert PDConnector.get_required_kvcache_layout(vllm_config()) is None
     with pytest.raises(ConfigError, match="mamba or linear-attention"):
         PDConnector.get_required_kvcache_layout(vllm_config(hybrid=True))
+
+
+def test_mla_models_are_refused_naming_the_model():
+    with pytest.raises(ConfigError, match="'models/m' uses multi-head latent attention"):
+        check_supported(vllm_config(mla=True))
