@@ -13,7 +13,7 @@ from pdserve.errors import ConfigError
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench-pair", help="set one configuration of two bench runs against each other, request by request",
-        description="Attainment per shared rate and SLO of A's and B's configuration on the same requests, B minus "
+        description="Attainment per shared rate and SLO, goodput per SLO, and median TTFT and ITL of A's and B's configuration on the same requests, B minus "
                     "A with a paired block-bootstrap interval, and TTFT percentiles. Both runs must come from the "
                     "same plan (seeds, prompts, workload, scored window), e.g. before and after a change.",
         epilog="example: pdserve bench-pair runs/before:adaptive=before runs/after:adaptive=after")

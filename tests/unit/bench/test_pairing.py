@@ -37,6 +37,26 @@ def test_pairs_the_same_requests_of_two_runs(tmp_path):
     assert "| TTFT p10/p50/p90 (ms) | 1 req/s | 2 req/s |" in text and "| after | " in text
 
 
+def test_pairs_goodput_and_latency_medians(tmp_path):
+    before, after = _run(tmp_path / "a", BEFORE), _run(tmp_path / "b", AFTER)
+    pairing = pair(Side.parse(f"{before}:adaptive=before"), Side.parse(f"{after}:adaptive=after"))
+    blog = pairing.goodput["blog"]
+    # before: 1.0 at 1 req/s, 0.7 at 2 -> crosses 0.9 at 1.33; after: 1.0 and 0.95 -> at least 2
+    assert blog.goodput[0].value == pytest.approx(1 + 0.1 / 0.3) and blog.goodput[1].value == 2.0
+    assert 0.0 <= blog.difference.low < blog.difference.high  # after never keeps less, in any resample
+    ttft = pairing.medians[2.0]["TTFT"]
+    assert ttft.median == (100.0, 100.0) and ttft.difference.low <= 0.0 <= ttft.difference.high
+    slow = _run(tmp_path / "c", {(r, s): 0 for (r, s) in BEFORE})  # every request misses TTFT (1500 ms)
+    against = pair(Side.parse(f"{after}:adaptive=after"), Side.parse(f"{slow}:adaptive=slow"))
+    ttft = against.medians[1.0]["TTFT"]
+    assert ttft.median == (100.0, 1500.0) and (ttft.difference.low, ttft.difference.high) == (1400.0, 1400.0)
+    assert against.medians[1.0]["ITL"].median == (20.0, 20.0)
+    text = render(against)
+    assert "| TTFT | 100.0 / 1500.0, +1400.0 [1400.00, 1400.00] |" in text
+    assert "median TTFT at 1 req/s" in text and "median ITL" not in text.split("Told apart")[1]
+    assert "No difference told apart" in render(pair(Side.parse(f"{after}:adaptive"), Side.parse(f"{after}:adaptive")))
+
+
 def test_compares_only_rates_both_runs_measured(tmp_path):
     before = _run(tmp_path / "a", BEFORE)
     after = _run(tmp_path / "b", AFTER, rates=(2.0, 3.0))
