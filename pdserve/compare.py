@@ -107,6 +107,15 @@ def parse_choice(choice: dict) -> Generation:
     return steps
 
 
+def parse_stream(events: Sequence[dict]) -> Generation:
+    """The events of one streamed /v1/completions choice (logprobs=2, return_token_ids=true), its
+    usage event allowed, as one Generation."""
+    choices = [c for e in events for c in e.get("choices") or ()]
+    return parse_choice({"token_ids": [t for c in choices for t in c["token_ids"]],
+                         "logprobs": {k: [v for c in choices for v in c["logprobs"][k]]
+                                      for k in ("token_logprobs", "top_logprobs")}})
+
+
 def fetch_greedy(base_url: str, prompts: Sequence[str | list[int]], max_tokens: int = 16,
                  concurrency: int = 1, model: str | None = None, timeout: float = 300.0,
                  extra_body: dict | None = None) -> list[Generation]:

@@ -1,6 +1,7 @@
-"""Chaos soak: PD in WRITE mode (tiny model) under steady Poisson load while P and D are
-SIGKILLed alternately every few minutes (the cluster's supervisor restarts them), every response
-checked against collocated serving.
+"""Chaos soak: PD in WRITE mode (tiny model) behind the front, as `pdserve up` runs it, under steady
+Poisson load while P and D are SIGKILLed alternately every few minutes (the cluster's supervisor
+restarts them), every response checked against collocated serving: half the requests streamed
+(a stream broken by a death is continued by the front; its tokens are checked whole), half not.
 
 The load is placed from a calibration on this machine: a closed-loop burst through the router
 measures the sustainable rate, and the soak runs at 70% of it (the goodput rate of write mode is
@@ -28,9 +29,10 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.compare import compare_greedy, fetch_greedy, parse_choice  # noqa: E402
+from pdserve.compare import compare_greedy, fetch_greedy, parse_choice, parse_stream  # noqa: E402
 from pdserve.faults.matrix import TIMEOUTS  # noqa: E402
 from pdserve.launch import Cluster, UpOptions, plan  # noqa: E402
+from pdserve.launch.modes import with_front  # noqa: E402
 from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.launch.process import group_members  # noqa: E402
 from pdserve.model.build import resolve_model  # noqa: E402
@@ -103,6 +105,7 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--restart-every", type=float, default=180)
     parser.add_argument("--load", type=float, default=0.7, help="fraction of the calibrated rate")
+    parser.add_argument("--max-error-rate", type=float, default=0.005, help="share of requests allowed to fail")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "chaos-soak"))
     args = parser.parse_args()
     pool = prompt_pool()
@@ -115,7 +118,7 @@ def main() -> int:
     windows: list[tuple[float, float, str]] = []
     lock = threading.Lock()
     with tempfile.TemporaryDirectory(prefix="pdserve-soak-"):
-        deployment = pd_deployment(options("write"), "write", connector_extra=dict(TIMEOUTS))
+        deployment = with_front(pd_deployment(options("write"), "write", connector_extra=dict(TIMEOUTS)), 5.0)
         with Cluster(deployment, restart="on-failure") as cluster:
             cluster.wait_healthy(600)
             urls = {"prefill": cluster.instance_urls["prefill"], "decode": cluster.instance_urls["decode"]}
@@ -123,18 +126,26 @@ def main() -> int:
             endpoint = cluster.endpoint
             _wait_routable(endpoint, model)
 
-            def one(index: int) -> dict:
-                started = time.time()
+            def one(index: int, stream: bool = False) -> dict:
+                started, status = time.time(), 0
                 body = {"model": model, "prompt": pool[index], "max_tokens": MAX_TOKENS, "temperature": 0,
-                        "logprobs": 2, "return_token_ids": True, "ignore_eos": True}
+                        "logprobs": 2, "return_token_ids": True, "ignore_eos": True, "stream": stream}
                 try:
-                    response = requests.post(f"{endpoint}/v1/completions", json=body, timeout=120)
-                    status = response.status_code
-                    ok = status == 200 and compare_greedy([reference[index]], [parse_choice(response.json()["choices"][0])]).ok
-                    error = "" if status == 200 else response.text[:200]
-                except requests.RequestException as exc:
-                    status, ok, error = 0, False, f"{type(exc).__name__}"
-                return {"start": started, "end": time.time(), "status": status, "correct": ok, "error": error}
+                    with requests.post(f"{endpoint}/v1/completions", json=body, timeout=120, stream=stream) as response:
+                        status = response.status_code
+                        if status == 200 and stream:
+                            events, error = streamed(response)
+                            ok = not error and compare_greedy([reference[index]], [parse_stream(events)]).ok
+                        elif status == 200:
+                            ok, error = compare_greedy([reference[index]], [parse_choice(response.json()["choices"][0])]).ok, ""
+                        else:
+                            ok, error = False, response.text[:200]
+                except (requests.RequestException, ValueError, KeyError) as exc:
+                    ok, error = False, f"{type(exc).__name__}"
+                if status == 200 and error:
+                    status = 0  # broke off, ended in an error event, or unreadable: not served
+                return {"start": started, "end": time.time(), "status": status, "correct": ok, "error": error,
+                        "stream": stream}
 
             # calibration: closed loop, 4 at a time, 20 s
             cal_end = time.monotonic() + 20
@@ -156,6 +167,7 @@ def main() -> int:
             print(f"calibration: {capacity:.2f} req/s closed-loop (4 at a time); soak at {rate:.2f} req/s", flush=True)
             counters = Counters(urls)
             counters.poll()
+            front_before = front_counters(endpoint)
             groups = [p.pid for p in cluster.processes]
             rss_start = rss_mib(groups)
             soak_start = time.time()
@@ -181,10 +193,11 @@ def main() -> int:
                     if now >= next_poll:
                         counters.poll()
                         next_poll = now + 5
-                    futures.append(executor.submit(one, rng.randrange(POOL)))
+                    futures.append(executor.submit(one, rng.randrange(POOL), rng.random() < 0.5))
                     time.sleep(rng.expovariate(rate))
                 records = [f.result() for f in futures]
             counters.poll()
+            front_after = front_counters(endpoint)
             groups = [p.pid for p in cluster.processes]
             rss_end = rss_mib(groups)
             restarts = dict(cluster.restarts)
@@ -204,7 +217,10 @@ def main() -> int:
         "minutes": args.minutes, "restart_every_s": args.restart_every, "calibrated_rate": round(capacity, 2),
         "rate": round(rate, 2), "requests": len(records), "served_200": len(served),
         "wrong_token_200": sum(1 for r in served if not r["correct"]),
-        "errors": len(errors), "errors_outside_restart_windows": sum(1 for r in errors if not in_window(r)),
+        "streamed": sum(r["stream"] for r in records),
+        "errors": len(errors), "error_rate": round(len(errors) / max(len(records), 1), 4),
+        "errors_outside_restart_windows": sum(1 for r in errors if not in_window(r)),
+        "front": {name: front_after.get(name, 0.0) - front_before.get(name, 0.0) for name in front_after},
         "restart_windows": [{"victim": v, "killed_at_s": round(s - soak_start, 1), "routable_after_s": round(e - s, 1)}
                             for s, e, v in windows],
         "restarts": restarts,
@@ -222,8 +238,37 @@ def main() -> int:
     lines = ["# Chaos soak (write mode, tiny model)", ""] + [f"- **{k}**: {v}" for k, v in result.items()]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(result, indent=1))
-    bad = result["wrong_token_200"] or result["errors_outside_restart_windows"] or left_shm or left_procs
+    bad = (result["wrong_token_200"] or result["errors_outside_restart_windows"] or left_shm or left_procs
+           or result["error_rate"] > args.max_error_rate)
     return 1 if bad else 0
+
+
+def streamed(response) -> tuple[list[dict], str]:
+    """The events of a streamed completion, and what went wrong ("" if it ended with [DONE])."""
+    events = []
+    for line in response.iter_lines(chunk_size=None):
+        if line == b"data: [DONE]":
+            return events, ""
+        if line.startswith(b"data: "):
+            event = json.loads(line[6:])
+            if "error" in event:
+                return events, f"error event: {str(event['error'])[:160]}"
+            events.append(event)
+    return events, "the stream ended without [DONE]"
+
+
+def front_counters(endpoint: str) -> dict[str, float]:
+    """The front's request counters (pdserve:requests_*), summed over their labels."""
+    out: dict[str, float] = {}
+    try:
+        text = requests.get(f"{endpoint}/metrics", timeout=5).text
+    except requests.RequestException:
+        return out
+    for line in text.splitlines():
+        if line.startswith("pdserve:requests_"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rpartition(" ")[2])
+    return out
 
 
 def _wait_routable(endpoint: str, model: str, timeout: float = 240) -> float:

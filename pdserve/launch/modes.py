@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
-from pdserve.launch.front.spec import FrontSpec, direct_sources
+from pdserve.launch.front.spec import FrontSpec, direct_sources, fallback_sources
 from pdserve.launch.instance import InstanceSpec
 from pdserve.launch.options import DEFAULT_HOST, UpOptions
 from pdserve.launch.router import RouterSpec
@@ -56,7 +56,8 @@ class Deployment:
 
 def with_front(deployment: Deployment, drain_timeout: float, host: str = DEFAULT_HOST) -> Deployment:
     """Put a front listening on `host` on the client port the planner gave its router (or only
-    instance), and move that one to the first port after all the others the deployment uses."""
+    instance), and move that one to the first port after all the others the deployment uses. Behind
+    a router, the front knows every instance to fall back on while one is down (front/instances.py)."""
     spare = max(deployment.ports) + 1
     if deployment.router:
         moved = dataclasses.replace(deployment, router=dataclasses.replace(deployment.router, port=spare))
@@ -66,7 +67,8 @@ def with_front(deployment: Deployment, drain_timeout: float, host: str = DEFAULT
     upstream = (moved.backend.name, moved.backend.url)
     sources = tuple((i.name, i.url) for i in moved.instances)
     front = FrontSpec(deployment.backend.port, upstream, sources, drain_timeout, host=host,
-                      direct_sources=direct_sources(moved.instances))
+                      direct_sources=direct_sources(moved.instances),
+                      fallback_sources=fallback_sources(moved.instances) if moved.router else ())
     return dataclasses.replace(moved, front=front)
 
 

@@ -13,6 +13,8 @@ import requests
 from pdserve.compare import fetch_greedy
 from pdserve.launch import Cluster, UpOptions, plan
 from pdserve.launch.env import cache_dir
+from pdserve.launch.modes import with_front
+from pdserve.launch.options import RestartPolicy
 from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch.process import group_members
 from pdserve.launch.samples import metric, parse_samples  # noqa: F401  (metric: used by the tests through here)
@@ -40,13 +42,17 @@ def options(mode: str, port: int) -> UpOptions:
 
 
 @contextmanager
-def pd_cluster(mode: str, port: int, **connector_extra) -> Iterator[Cluster]:
-    """P and D with PDConnector behind vllm-router; after the block, nothing of it may remain."""
+def pd_cluster(mode: str, port: int, *, front: bool = False, restart: RestartPolicy = "never",
+               **connector_extra) -> Iterator[Cluster]:
+    """P and D with PDConnector behind vllm-router (and the front before it, as `pdserve up` runs
+    it, with `front`); after the block, nothing of it may remain."""
     opts = options(mode, port)
     deployment = (pd_deployment(opts, mode, connector_extra={**TIMEOUTS, **connector_extra})
                   if mode in ("write", "read") else plan(opts))
+    if front and deployment.front is None:
+        deployment = with_front(deployment, drain_timeout=5.0)
     segments_before = _segments()
-    cluster = Cluster(deployment, log_dir=LOG_DIR / f"{mode}-{port}")
+    cluster = Cluster(deployment, log_dir=LOG_DIR / f"{mode}-{port}", restart=restart)
     cluster.start()
     pids: list[int] = []
     try:

@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
                    help="an instance asked for GET /v1/models (repeat; asked in order)")
     p.add_argument("--direct-to", action="append", default=[], metavar="NAME=URL",
                    help="an instance that answers a whole request alone, for those a PD router merges wrong (repeat)")
+    p.add_argument("--fallback-to", action="append", default=[], metavar="NAME=URL",
+                   help="an instance behind a PD router that serves whole requests while another is down or the "
+                        "router failed (repeat; preferred in order)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     for field in dataclasses.fields(Limits):
         p.add_argument(limit_flag(field.name), type=type(field.default), default=field.default)
@@ -38,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> FrontConfig:
     try:
         limits = Limits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Limits)})
         return FrontConfig(args.host, args.port, _upstream(args.upstream), tuple(map(_upstream, args.models_from)),
-                           tuple(map(_upstream, args.direct_to)), args.drain_timeout, limits)
+                           tuple(map(_upstream, args.direct_to)), args.drain_timeout, limits,
+                           tuple(map(_upstream, args.fallback_to)))
     except ConfigError as exc:
         p.error(str(exc))
 
@@ -68,6 +72,9 @@ async def serve(config: FrontConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     logger.info("front: %s:%d -> %s %s", config.host, config.port, config.upstream.name, config.upstream.url)
+    if config.fallback_sources:
+        logger.info("front: while one is down, or the %s fails, serves whole requests on %s", config.upstream.name,
+                    ", ".join(source.name for source in config.fallback_sources))
     await stopping.wait()
     logger.info("front: draining, %d in flight (up to %.0f s)", server.num_in_flight, config.drain_timeout)
     num_cut_off = await server.drain()

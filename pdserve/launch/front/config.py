@@ -74,7 +74,11 @@ class FrontConfig:
     instances, asked in order for GET /v1/models. direct_sources: instances that answer a whole
     request alone (PD's decode instances), for the requests a PD router's merge answers wrong
     (routes.py); empty where the upstream answers every request itself. drain_timeout: after
-    SIGTERM, how long requests in flight may take to finish."""
+    SIGTERM, how long requests in flight may take to finish. fallback_sources: every instance
+    behind a PD router, decode instances first, each able to serve a whole request alone: while
+    one is down requests go to the live ones instead of the router, and a request the router fails
+    before its first byte is resent to one (instances.py); empty where the upstream is the only
+    instance."""
 
     host: str
     port: int
@@ -83,6 +87,7 @@ class FrontConfig:
     direct_sources: tuple[Upstream, ...] = ()
     drain_timeout: float = 30.0
     limits: Limits = Limits()
+    fallback_sources: tuple[Upstream, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_sources:

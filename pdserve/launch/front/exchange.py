@@ -2,28 +2,47 @@
 
     GET /v1/models   asked of the instances in turn (vllm-router's PD discovery mode has no
                      instance of its own to ask, and answers 503 "No prefill servers available")
+    GET /metrics     the front's own series (metrics.py), where it has instances to fall back on
     anything else    its body read whole (within the body limits, chunked decoded), sent with a
                      Content-Length to the upstream routes.py picks; a success is relayed piece
-                     by piece as it arrives, an error read whole and answered in OpenAI's shape
-                     (openai_error.from_upstream)
+                     by piece as it arrives (its head with its first piece), an error read whole
+                     and answered in OpenAI's shape (openai_error.from_upstream)
+
+Where the front has instances to fall back on (a PD deployment), a request that failed before
+anything reached the client, in a way that left nothing running upstream (a refused, reset or
+closed connection; 500, 502 or 503; a success whose body broke before its first piece), is resent
+once, whole, to a live instance as a plain request. A streamed generation that broke off after
+tokens reached the client is continued on a live instance (continuation.py). A client error, a
+silent upstream (it may still be computing) and any other response broken after its head was
+relayed are never resent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
 import aiohttp
 import yarl
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from pdserve.launch.front.config import Limits, Upstream
+from pdserve.launch.front.config import FrontConfig, Upstream
+from pdserve.launch.front.continuation import COMPLETIONS, Follow
 from pdserve.launch.front.headers import forbidden_header, request_headers, response_headers
-from pdserve.launch.front.openai_error import OpenAIError, from_upstream
+from pdserve.launch.front.instances import InstancePool
+from pdserve.launch.front.metrics import CONTENT_TYPE, CONTINUED, FAILED_NO_INSTANCE, RETRIED, FrontMetrics
+from pdserve.launch.front.openai_error import ErrorBody, OpenAIError, from_upstream
 from pdserve.launch.front.routes import Routes
+
+logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 10.0
 MODELS_PATH = "/v1/models"
+METRICS_PATH = "/metrics"
+# not 504: a router's gateway timeout may leave its instance computing the request
+RESENT_STATUSES = frozenset({500, 502, 503})
 MAX_ERROR_BODY_BYTES = 1 << 20  # error bodies and /v1/models answers, read whole
 # vLLM's server (uvicorn) closes a connection idle for 5 s: the pool lets go of it first, so it
 # never sends a request on a connection the instance is closing
@@ -51,6 +70,35 @@ class _TooLarge(Exception):
     pass
 
 
+class _Unanswered(Exception):
+    """`upstream` failed before anything reached the client, and left nothing running there:
+    resending the request elsewhere runs it once. `reason` labels the resend's count; `answer` is
+    the client's answer where nothing is resent."""
+
+    def __init__(self, upstream: Upstream, reason: str, what: str, answer: OpenAIError | ErrorBody) -> None:
+        super().__init__(what)
+        self.upstream = upstream
+        self.reason = reason
+        self.what = what
+        self.answer = answer
+
+
+def _resend_reason(exc: BaseException) -> str | None:
+    """Why a failure before the response head leaves nothing running upstream; None where it may not
+    (a silent upstream may still be computing)."""
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return "connect"
+    if isinstance(exc, TimeoutError):
+        return None
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return "disconnected"
+    return None
+
+
+def _message(error: ErrorBody) -> str:
+    return json.loads(error.body)["error"]["message"]  # from_upstream made it OpenAI's shape
+
+
 def _failure(upstream: Upstream, exc: BaseException, idle_timeout: float) -> OpenAIError:
     """What the client is told when `upstream` failed before its response head."""
     where = f"the {upstream.name} at {upstream.url}"
@@ -76,13 +124,54 @@ async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes:
     return bytes(body)
 
 
+class _Relay:
+    """The client's side of one relayed success: its head is sent with the first piece written."""
+
+    def __init__(self, request: web.BaseRequest, answer: aiohttp.ClientResponse, idle_timeout: float,
+                 rewritten: bool) -> None:
+        self._request = request
+        self._idle_timeout = idle_timeout
+        headers = response_headers(answer.headers)
+        if rewritten:  # a followed stream's events are rewritten: its length is not the upstream's
+            headers.popall("Content-Length", None)
+        self.response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=headers)
+
+    @property
+    def started(self) -> bool:
+        return self.response.prepared
+
+    async def write(self, piece: bytes) -> None:
+        """`piece` to the client; RelayBrokeOff where the client does not take it within the idle timeout."""
+        if not piece:
+            return
+        try:
+            if not self.started:
+                await self.response.prepare(self._request)
+            client = self._request.transport
+            if client is not None and client.get_write_buffer_size() == 0 and len(piece) <= UNBLOCKED_WRITE_BYTES:
+                await self.response.write(piece)  # cannot wait on the client: nothing to time
+            else:
+                async with asyncio.timeout(self._idle_timeout):
+                    await self.response.write(piece)
+        except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+            raise RelayBrokeOff(f"{self._request.method} {self._request.path}: the client: {exc!r}") from exc
+
+    async def finish(self) -> web.StreamResponse:
+        if not self.started:
+            await self.response.prepare(self._request)
+        await self.response.write_eof()
+        return self.response
+
+
 class Exchange:
     """The front's request handler, with its pool of connections to the upstreams (open() to close())."""
 
-    def __init__(self, routes: Routes, model_sources: tuple[Upstream, ...], limits: Limits) -> None:
-        self._routes = routes
-        self._model_sources = model_sources
-        self._limits = limits
+    def __init__(self, config: FrontConfig) -> None:
+        self.metrics = FrontMetrics()
+        self.instances = InstancePool(config.fallback_sources, self.metrics)
+        self._routes = Routes(config.upstream, config.direct_sources, self.instances, self.metrics)
+        self._model_sources = config.model_sources
+        self._limits = config.limits
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
@@ -92,8 +181,10 @@ class Exchange:
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
                                               skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent",
                                                                  "Content-Type"))
+        self.instances.start(self._session)
 
     async def close(self) -> None:
+        await self.instances.stop()
         if self._session is not None:
             await self._session.close()
 
@@ -106,10 +197,12 @@ class Exchange:
                 raise RequestRefused(OpenAIError(400, f"header {name} holds a CR, LF or NUL character"))
             if request.method == "GET" and request.path == MODELS_PATH:
                 return await self._models(request)
+            if request.method == "GET" and request.path == METRICS_PATH and self.instances.sources:
+                return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
             body = await self._read_body(request)
         except RequestRefused as refused:
             return refused.error.response(close=True)
-        return await self._forward(request, body, self._routes.pick(request.method, request.path, body))
+        return await self._serve(request, body)
 
     async def _read_body(self, request: web.BaseRequest) -> bytes:
         limit = self._limits.max_body_bytes
@@ -134,40 +227,130 @@ class Exchange:
             raise RequestRefused(OpenAIError(400, f"malformed request body: {exc}")) from None
         return bytes(body)
 
-    async def _forward(self, request: web.BaseRequest, body: bytes, upstream: Upstream) -> web.StreamResponse:
+    async def _serve(self, request: web.BaseRequest, body: bytes) -> web.StreamResponse:
+        """Send the request where routes.py says; where that failed unanswered, once more to another
+        live instance (after a probe round: the failure may be an instance's death)."""
+        upstream = self._routes.pick(request.method, request.path, body)
+        if upstream is None:
+            return self._no_instance(())
+        try:
+            return await self._forward(request, body, upstream, self._follow(request, body))
+        except _Unanswered as failure:
+            if not self.instances.sources:
+                return failure.answer.response()
+            first = failure
+        await self.instances.refresh()
+        instance = self.instances.pick(exclude=upstream)
+        if instance is None:
+            return self._no_instance((first,))
+        self.metrics.count(RETRIED, reason=first.reason)
+        logger.info("front: %s %s resent to the %s: %s", request.method, request.path, instance.name, first.what)
+        try:
+            return await self._forward(request, body, instance, self._follow(request, body))
+        except _Unanswered as second:
+            return self._no_instance((first, second))
+
+    def _follow(self, request: web.BaseRequest, body: bytes) -> Follow | None:
+        """A streamed generation to follow, so that it can be continued (only with instances to continue on)."""
+        return Follow.start(request.method, request.path, body) if self.instances.sources else None
+
+    def _no_instance(self, failures: tuple[_Unanswered, ...]) -> web.Response:
+        self.metrics.count(FAILED_NO_INSTANCE)
+        tried = {failure.upstream for failure in failures}
+        causes = [failure.what for failure in failures]
+        causes += [f"the {each.name} at {each.url} is down" for each in self.instances.down() if each not in tried]
+        return OpenAIError(503, f"no live instance to serve the request: {'; '.join(causes)}").response()
+
+    async def _forward(self, request: web.BaseRequest, body: bytes, upstream: Upstream,
+                       follow: Follow | None = None) -> web.StreamResponse:
+        """`upstream`'s answer to the request, relayed (through `follow`, which also sets the body
+        sent); _Unanswered where it failed leaving nothing to relay and nothing running."""
         assert self._session is not None
         url = yarl.URL(upstream.url + request.raw_path, encoded=True)
+        if follow is not None:
+            body = follow.upstream_body
         try:
             answer = await self._session.request(request.method, url, headers=request_headers(request.headers),
                                                  data=body or None, allow_redirects=False)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return _failure(upstream, exc, self._limits.idle_timeout).response()
+            failure = _failure(upstream, exc, self._limits.idle_timeout)
+            if isinstance(exc, aiohttp.ClientOSError):  # refused or reset
+                self.instances.mark_down(upstream, str(exc))
+            if (reason := _resend_reason(exc)) is None:
+                return failure.response()
+            raise _Unanswered(upstream, reason, failure.message, failure) from exc
         async with answer:
             if answer.status >= 400:
                 try:
                     error_body = await _read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
                 except (aiohttp.ClientError, TimeoutError, _TooLarge) as exc:
                     return _failure(upstream, exc, self._limits.idle_timeout).response()
-                return from_upstream(answer.status, error_body, f"{request.method} {request.path}").response()
-            return await self._relay(request, answer)
+                error = from_upstream(answer.status, error_body, f"{request.method} {request.path}")
+                if answer.status in RESENT_STATUSES:
+                    what = f"the {upstream.name} at {upstream.url} answered {answer.status}: {_message(error)}"
+                    raise _Unanswered(upstream, "upstream_5xx", what, error)
+                return error.response()
+            return await self._relay(request, answer, upstream, follow)
 
-    async def _relay(self, request: web.BaseRequest, answer: aiohttp.ClientResponse) -> web.StreamResponse:
-        response = web.StreamResponse(status=answer.status, reason=answer.reason,
-                                      headers=response_headers(answer.headers))
-        await response.prepare(request)
-        client = request.transport
-        assert client is not None
-        try:
-            async for piece in answer.content.iter_any():
-                if client.get_write_buffer_size() == 0 and len(piece) <= UNBLOCKED_WRITE_BYTES:
-                    await response.write(piece)  # cannot wait on the client: nothing to time
-                else:
-                    async with asyncio.timeout(self._limits.idle_timeout):
-                        await response.write(piece)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise RelayBrokeOff(f"{request.method} {request.path}: {exc!r}") from exc
-        await response.write_eof()
-        return response
+    async def _relay(self, request: web.BaseRequest, answer: aiohttp.ClientResponse, upstream: Upstream,
+                     follow: Follow | None) -> web.StreamResponse:
+        """A success, piece by piece as it arrives (through `follow`); its head goes with its first
+        piece, so that a body that breaks before it is still _Unanswered. A followed stream that
+        broke off after tokens reached the client is continued (_continue)."""
+        relay = _Relay(request, answer, self._limits.idle_timeout, follow is not None)
+        while True:
+            try:
+                piece = await answer.content.readany()
+            except TimeoutError as exc:  # a silent upstream may still be computing: never resent
+                if not relay.started:
+                    return _failure(upstream, exc, self._limits.idle_timeout).response()
+                raise RelayBrokeOff(f"{request.method} {request.path}: {exc!r}") from exc
+            except aiohttp.ClientError as exc:
+                if isinstance(exc, aiohttp.ClientOSError):  # reset
+                    self.instances.mark_down(upstream, str(exc))
+                if not relay.started:
+                    what = f"the {upstream.name} at {upstream.url} broke off its answer before its body: {exc}"
+                    raise _Unanswered(upstream, "broke_before_first_byte", what, OpenAIError(502, what)) from exc
+                if follow is None or not follow.unfinished():
+                    raise RelayBrokeOff(f"{request.method} {request.path}: {exc!r}") from exc
+                break
+            if not piece:
+                break
+            await relay.write(follow.feed(piece) if follow is not None else piece)
+        if follow is not None and relay.started and not follow.done:
+            await self._continue(request, relay, follow, upstream)
+        return await relay.finish()
+
+    async def _continue(self, request: web.BaseRequest, relay: _Relay, follow: Follow, broken: Upstream) -> None:
+        """Continue each unfinished choice of `follow` on a live instance, its events spliced into
+        `relay`; then end the stream (with an error event where a choice could not be finished)."""
+        assert self._session is not None
+        failure = ""
+        headers = {"Content-Type": "application/json"}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        for index in follow.unfinished():
+            await self.instances.refresh()  # the break may be an instance's death
+            instance = self.instances.pick(exclude=broken)
+            if instance is None:
+                failure = "the stream broke off and no live instance is left to continue it"
+                break
+            self.metrics.count(CONTINUED)
+            logger.info("front: %s %s broke off after %d tokens; continued on the %s", request.method, request.path,
+                        len(follow.choices[index].ids), instance.name)
+            try:
+                async with self._session.post(f"{instance.url}{COMPLETIONS}", data=follow.continuation(index),
+                                              headers=headers) as answer:
+                    if answer.status != 200:
+                        error = await _read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
+                        failure = f"the continuation on the {instance.name} answered {answer.status}: {error[:200]!r}"
+                        break
+                    while piece := await answer.content.readany():
+                        await relay.write(follow.feed_continuation(index, piece))
+            except (aiohttp.ClientError, TimeoutError, _TooLarge) as exc:
+                failure = f"the continuation on the {instance.name} failed: {exc!r}"
+                break
+        await relay.write(follow.closing(failure))
 
     async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
         assert self._session is not None

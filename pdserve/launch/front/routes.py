@@ -5,6 +5,9 @@ a completion with `echo` and `logprobs` through vllm-router 0.1.17's merge of th
 decode answers lists the prompt's tokens, logprobs and offsets twice. Those go whole to one decode
 instance as a plain request (no kv_transfer_params: it computes the prompt itself), in turn, so the
 answer is the one collocated serving gives, streamed or not.
+
+While one of a PD deployment's instances is down (instances.py), every request goes whole to a
+live instance instead, as a plain request: the router would send some of them to the dead one.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import itertools
 import json
 
 from pdserve.launch.front.config import Upstream
+from pdserve.launch.front.instances import InstancePool
+from pdserve.launch.front.metrics import ROUTED_AROUND, FrontMetrics
 
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -31,13 +36,23 @@ def merge_unsafe(method: str, path: str, body: bytes) -> bool:
 
 
 class Routes:
-    """`upstream` for every request; `direct` (in turn) for those merge_unsafe names, where there are any."""
+    """`upstream` for every request; `direct` (in turn) for those merge_unsafe names, where there are
+    any; a live one of `instances` for every request while one of them is down (counted)."""
 
-    def __init__(self, upstream: Upstream, direct: tuple[Upstream, ...]) -> None:
+    def __init__(self, upstream: Upstream, direct: tuple[Upstream, ...], instances: InstancePool,
+                 metrics: FrontMetrics) -> None:
         self.upstream = upstream
         self._direct = itertools.cycle(direct) if direct else None
+        self._instances = instances
+        self._metrics = metrics
 
-    def pick(self, method: str, path: str, body: bytes) -> Upstream:
+    def pick(self, method: str, path: str, body: bytes) -> Upstream | None:
+        """Where the request goes; None when an instance is down and none is live."""
+        if not self._instances.all_up:
+            instance = self._instances.pick()
+            if instance is not None:
+                self._metrics.count(ROUTED_AROUND)
+            return instance
         if self._direct is not None and merge_unsafe(method, path, body):
             return next(self._direct)
         return self.upstream

@@ -23,7 +23,6 @@ from pdserve.launch.front.config import FrontConfig
 from pdserve.launch.front.connections import Connections, ConnectionSlots
 from pdserve.launch.front.exchange import Exchange
 from pdserve.launch.front.openai_error import OpenAIError
-from pdserve.launch.front.routes import Routes
 
 DRAINING_MESSAGE = "pdserve is shutting down: new requests are refused while the ones in flight finish"
 LINGER_S = 2.0  # after an answer to a request not read whole (413, 408), how long its rest is read and dropped
@@ -44,7 +43,7 @@ class FrontServer:
         self.config = config
         self.state = State.NEW
         self._slots = ConnectionSlots(config.limits.max_connections, config.limits.connection_wait)
-        self._exchange = Exchange(Routes(config.upstream, config.direct_sources), config.model_sources, config.limits)
+        self._exchange = Exchange(config)
         self._connections: Connections | None = None  # made on the loop, by start()
         self._listener: asyncio.Server | None = None
         self._in_flight: set[asyncio.Task] = set()  # the handlers of requests accepted, until they return

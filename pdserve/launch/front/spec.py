@@ -23,7 +23,9 @@ class FrontSpec:
     `direct_sources`: the instances (name, URL) that answer alone the requests a PD router's merge
     answers wrong (PD's decode instances; none where the upstream answers every request itself).
     `drain_timeout`: after SIGTERM, how long requests in flight may take. `limits`: what one client
-    may hold of it (config.Limits)."""
+    may hold of it (config.Limits). `fallback_sources`: every instance (name, URL) behind a router,
+    in the order the front prefers them for whole requests while another is down or the router
+    failed; none where the upstream is the only instance."""
 
     port: int
     upstream: tuple[str, str]
@@ -33,6 +35,7 @@ class FrontSpec:
     host: str = HOST
     direct_sources: tuple[tuple[str, str], ...] = ()
     limits: Limits = Limits()
+    fallback_sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def url(self) -> str:
@@ -46,6 +49,8 @@ class FrontSpec:
             argv += ["--models-from", "=".join(source)]
         for source in self.direct_sources:
             argv += ["--direct-to", "=".join(source)]
+        for source in self.fallback_sources:
+            argv += ["--fallback-to", "=".join(source)]
         for field in dataclasses.fields(Limits):
             argv += [limit_flag(field.name), str(getattr(self.limits, field.name))]
         return ProcessSpec(self.name, tuple(argv), {}, run_dir / f"{self.name}.log", f"{self.url}/health")
@@ -55,6 +60,13 @@ def direct_sources(instances: Iterable[InstanceSpec]) -> tuple[tuple[str, str], 
     """A deployment's instances that answer a whole request alone behind a PD router: its decode
     instances, (name, URL); none in a deployment without them."""
     return tuple((i.name, i.url) for i in instances if i.role == "decode")
+
+
+def fallback_sources(instances: Iterable[InstanceSpec]) -> tuple[tuple[str, str], ...]:
+    """Every instance (name, URL), in the order the front prefers them for whole requests: decode
+    instances first (a request's tokens are generated there), then prefill, then any other."""
+    rank = {"decode": 0, "prefill": 1}
+    return tuple((i.name, i.url) for i in sorted(instances, key=lambda i: rank.get(i.role, 2)))
 
 
 def _reachable(host: str) -> str:

@@ -1,5 +1,6 @@
 """The front as the launcher plans it: its command line says everything its config holds, its URL
-is one a client on this host can dial, and a bad limit is refused in one line."""
+is one a client on this host can dial, a bad limit is refused in one line, and behind a router it
+knows every instance to fall back on."""
 
 import dataclasses
 from pathlib import Path
@@ -10,6 +11,8 @@ from pdserve.launch.front.__main__ import parse_args
 from pdserve.launch.front.config import FrontConfig, Limits, Upstream
 from pdserve.launch.front.spec import FrontSpec, direct_sources
 from pdserve.launch.instance import InstanceSpec
+from pdserve.launch.modes import Deployment, with_front
+from pdserve.launch.router import RouterSpec
 
 SPEC = FrontSpec(8000, ("router", "http://127.0.0.1:8010"), (("prefill", "http://127.0.0.1:8001"),
                                                             ("decode", "http://127.0.0.1:8002")),
@@ -38,6 +41,17 @@ def test_the_decode_instances_answer_whole_requests():
                  (("prefill", "prefill", 1), ("decode0", "decode", 2), ("decode1", "decode", 3), ("vllm", "both", 4))]
     assert direct_sources(instances) == (("decode0", "http://127.0.0.1:2"), ("decode1", "http://127.0.0.1:3"))
     assert direct_sources(instances[3:]) == ()
+
+
+def test_behind_a_router_the_front_falls_back_on_every_instance_decode_first():
+    prefill, decode = (InstanceSpec(role, role, port, "/m", (0,)) for role, port in (("prefill", 18001),
+                                                                                    ("decode", 18002)))
+    front = with_front(Deployment((prefill, decode), RouterSpec(18000, 18003)), drain_timeout=5).front
+    assert front.fallback_sources == (("decode", decode.url), ("prefill", prefill.url))
+    config = parse_args(list(front.process_spec(Path("/run")).argv[3:]))
+    assert config.fallback_sources == (Upstream("decode", "127.0.0.1", 18002), Upstream("prefill", "127.0.0.1", 18001))
+    plain = with_front(Deployment((InstanceSpec("vllm", "both", 18000, "/m", (0,)),)), drain_timeout=5).front
+    assert plain.fallback_sources == () and "--fallback-to" not in plain.process_spec(Path("/run")).argv
 
 
 @pytest.mark.parametrize("flags, message", [

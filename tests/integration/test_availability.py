@@ -1,0 +1,133 @@
+"""Availability through the front (write mode, tiny model, instances restarted on failure): a
+request survives the death of the instance serving it.
+
+In order, on one deployment: D SIGKILLed mid-stream (the stream continues on P, its tokens those of
+an uninterrupted collocated run, its usage whole); P SIGKILLed (requests sent right after fall back
+to D, greedy outputs equal collocated serving); both SIGKILLed (an OpenAI-shaped 503). After each
+death the restarted instance is used through the router again."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from pdserve.compare import compare_greedy, fetch_greedy, parse_stream
+from pdserve.launch.samples import metric, parse_samples
+from pdserve.launch.supervisor import State
+from tests.integration.pd_helpers import (
+    MAX_TOKENS,
+    collocated_reference,
+    greedy,
+    metrics,
+    model_name,
+    pd_cluster,
+    prompts,
+    reference_server,
+)
+
+pytestmark = pytest.mark.integration
+
+PORT = 26500  # 26500-26520
+PROMPTS = prompts(8, seed=77)
+LONG = 200  # tokens of the stream broken mid-way
+RESTART_DEADLINE = 600
+
+
+@pytest.fixture(scope="module")
+def reference(greedy_reference):
+    """Collocated serving's greedy outputs: PROMPTS at MAX_TOKENS, and PROMPTS[3] at LONG tokens."""
+    short = collocated_reference(greedy_reference, "availability8", PROMPTS)
+    if "availability-long" not in greedy_reference:
+        server = reference_server(greedy_reference)
+        greedy_reference["availability-long"] = fetch_greedy(server.endpoint, [PROMPTS[3]], max_tokens=LONG)
+    return short, greedy_reference["availability-long"]
+
+
+@pytest.fixture(scope="module")
+def cluster(reference):  # the references first: the collocated instance is idle while P and D run
+    with pd_cluster("write", PORT, front=True, restart="on-failure") as running:
+        yield running
+
+
+def front_metrics(cluster) -> dict[str, float]:
+    return parse_samples(requests.get(f"{cluster.endpoint}/metrics", timeout=10).text)
+
+
+def kill(cluster, name: str) -> int:
+    process = next(p for p in cluster.instances if p.name == name)
+    pid = process.pid
+    os.killpg(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_back(cluster, name: str, killed: int) -> None:
+    """Until the supervisor restarted `name` and a request through the router moves KV to D again."""
+    process = next(p for p in cluster.instances if p.name == name)
+    deadline = time.monotonic() + RESTART_DEADLINE
+    while not (process.pid != killed and cluster.supervisor.states()[name] is State.RUNNING):
+        assert time.monotonic() < deadline, f"{name} not back: {cluster.supervisor.states()}"
+        assert cluster.failure is None, cluster.failure
+        time.sleep(1)
+    decode = cluster.instance_urls["decode"]
+    while True:
+        before = metric(metrics(decode), "pdserve:kv_transfer_bytes_total")
+        greedy(cluster.endpoint, cluster, PROMPTS[:2])
+        if metric(metrics(decode), "pdserve:kv_transfer_bytes_total") > before:
+            return  # disaggregated again
+        assert time.monotonic() < deadline, "the router path never came back"
+        time.sleep(1)
+
+
+def test_decode_killed_mid_stream_continues_on_prefill(cluster, reference):
+    prompt, expected = PROMPTS[3], reference[1]
+    body = {"model": model_name(cluster), "prompt": prompt, "max_tokens": LONG, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    events, killed = [], None
+    with requests.post(f"{cluster.endpoint}/v1/completions", json=body, stream=True, timeout=300) as response:
+        assert response.status_code == 200, response.text
+        lines = response.iter_lines(chunk_size=None)
+        for line in lines:
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+            if killed is None and sum(len(e["choices"][0]["token_ids"]) for e in events if e["choices"]) >= 10:
+                killed = kill(cluster, "decode")
+            if line == b"data: [DONE]":
+                break
+        else:
+            pytest.fail("the stream ended without [DONE]")
+    assert killed is not None, "the stream finished before D could be killed"
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert len({e["id"] for e in events}) == 1 and choices[-1]["finish_reason"] == "length"
+    result = compare_greedy(expected, [parse_stream(events)])
+    assert result.ok, result.summary()
+    assert events[-1]["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": LONG,
+                                   "total_tokens": len(prompt) + LONG}
+    assert metric(front_metrics(cluster), "pdserve:requests_continued_total") >= 1
+    wait_back(cluster, "decode", killed)
+
+
+def test_prefill_killed_requests_fall_back_to_decode(cluster, reference):
+    before = front_metrics(cluster)
+    killed = kill(cluster, "prefill")
+    outputs = greedy(cluster.endpoint, cluster, PROMPTS, concurrency=4)  # raises on any error
+    result = compare_greedy(reference[0], outputs)
+    assert result.ok, result.summary()
+    after = front_metrics(cluster)
+    bypassed = (metric(after, "pdserve:requests_routed_around_total") - metric(before, "pdserve:requests_routed_around_total")
+                + metric(after, "pdserve:requests_retried_total") - metric(before, "pdserve:requests_retried_total"))
+    assert bypassed >= len(PROMPTS), after
+    wait_back(cluster, "prefill", killed)
+
+
+def test_both_dead_is_a_clear_503(cluster):
+    kill(cluster, "prefill")
+    kill(cluster, "decode")
+    time.sleep(1)
+    body = {"model": model_name(cluster), "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS}
+    response = requests.post(f"{cluster.endpoint}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == 503 and "instance" in error["message"], error
