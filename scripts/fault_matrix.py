@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 from pdserve.compare import fetch_greedy  # noqa: E402
 from pdserve.faults.matrix import MAX_TOKENS, TIMEOUTS, Cell, Matrix, as_dict, cells  # noqa: E402
 from pdserve.launch import Cluster, UpOptions, plan  # noqa: E402
+from pdserve.launch.modes import with_front  # noqa: E402
 from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
 from pdserve.model.build import resolve_model  # noqa: E402
 
@@ -58,8 +59,8 @@ def run_mode(mode: str, batch, ref, selected: set[str] | None, kv_cache_bytes: i
     with tempfile.TemporaryDirectory(prefix="pdserve-faults-") as tmp:
         plan_path = Path(tmp) / "plan.json"
         plan_path.write_text(json.dumps({"rules": []}))
-        deployment = pd_deployment(options(mode, kv_cache_bytes), mode,
-                                   connector_extra={**TIMEOUTS, "test_fault_plan": str(plan_path)})
+        deployment = with_front(pd_deployment(options(mode, kv_cache_bytes), mode,
+                                              connector_extra={**TIMEOUTS, "test_fault_plan": str(plan_path)}), 5.0)
         log_dir = LOG_DIR / f"{mode}-{kv_cache_bytes or 'default'}" if LOG_DIR else None
         with Cluster(deployment, restart="on-failure", log_dir=log_dir) as cluster:
             cluster.wait_healthy(600)

@@ -15,6 +15,7 @@ import pytest
 from pdserve.compare import fetch_greedy
 from pdserve.faults.matrix import MAX_TOKENS, TIMEOUTS, Matrix, cells
 from pdserve.launch import Cluster, UpOptions
+from pdserve.launch.modes import with_front
 from pdserve.launch.pd_modes import pd_deployment
 from pdserve.model.build import resolve_model
 from tests.integration.pd_helpers import LOG_DIR, model_name, prompts, reference_server
@@ -49,7 +50,8 @@ def matrix(request, reference):
     with tempfile.TemporaryDirectory(prefix="pdserve-faults-") as tmp:
         plan_path = Path(tmp) / "plan.json"
         plan_path.write_text(json.dumps({"rules": []}))
-        deployment = pd_deployment(_options(mode), mode, connector_extra={**TIMEOUTS, "test_fault_plan": str(plan_path)})
+        deployment = with_front(pd_deployment(_options(mode), mode,
+                                              connector_extra={**TIMEOUTS, "test_fault_plan": str(plan_path)}), 5.0)
         with Cluster(deployment, restart="on-failure", log_dir=LOG_DIR / f"faults-{mode}") as cluster:
             cluster.wait_healthy(600)
             m = Matrix(cluster, mode, plan_path, PROMPTS, reference, model_name(cluster))
