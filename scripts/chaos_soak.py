@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdserve.compare import compare_greedy, fetch_greedy, parse_choice, parse_stream  # noqa: E402
-from pdserve.faults.matrix import TIMEOUTS  # noqa: E402
+from pdserve.faults.matrix import TIMEOUTS, metrics_by_name  # noqa: E402
 from pdserve.launch import Cluster, UpOptions, plan  # noqa: E402
 from pdserve.launch.modes import with_front  # noqa: E402
 from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
@@ -259,16 +259,7 @@ def streamed(response) -> tuple[list[dict], str]:
 
 def front_counters(endpoint: str) -> dict[str, float]:
     """The front's request counters (pdserve:requests_*), summed over their labels."""
-    out: dict[str, float] = {}
-    try:
-        text = requests.get(f"{endpoint}/metrics", timeout=5).text
-    except requests.RequestException:
-        return out
-    for line in text.splitlines():
-        if line.startswith("pdserve:requests_"):
-            name = line.split("{")[0].split(" ")[0]
-            out[name] = out.get(name, 0.0) + float(line.rpartition(" ")[2])
-    return out
+    return {name: value for name, value in metrics_by_name(endpoint).items() if name.startswith("pdserve:requests_")}
 
 
 def _wait_routable(endpoint: str, model: str, timeout: float = 240) -> float:

@@ -125,7 +125,7 @@ class Matrix:
 
     def run(self, cell: Cell) -> CellResult:
         result = CellResult(self.mode, cell.name)
-        before = {url: _metrics(url) for url in (self.prefill_url, self.decode_url)}
+        before = {url: metrics_by_name(url) for url in (self.prefill_url, self.decode_url)}
         if cell.restart_first:
             self._kill(cell.restart_first)
             self._wait_back(cell.restart_first)
@@ -154,7 +154,7 @@ class Matrix:
         if cell.kill:
             result.note = f"killed {cell.kill} 1 s into {len(outcomes)} requests"
         result.next_ok = self._next_ok()
-        after = {url: _metrics(url) for url in (self.prefill_url, self.decode_url)}
+        after = {url: metrics_by_name(url) for url in (self.prefill_url, self.decode_url)}
         if not (cell.kill or cell.restart_first):
             result.recomputed = _delta(before, after, self.decode_url, "pdserve:kv_recomputed_total")
             result.fenced = sum(_delta(before, after, u, "pdserve:kv_transfers_fenced_total") for u in after)
@@ -241,7 +241,8 @@ class Matrix:
                    for i, (status, _, payload) in enumerate(outcomes))
 
 
-def _metrics(url: str) -> dict[str, float]:
+def metrics_by_name(url: str) -> dict[str, float]:
+    """The samples of `url`/metrics summed by series name over their labels (empty if it does not answer)."""
     out: dict[str, float] = {}
     try:
         text = requests.get(f"{url}/metrics", timeout=10).text
@@ -267,7 +268,7 @@ def _healthy(url: str) -> bool:
 
 
 def _idle(url: str) -> bool:
-    samples = _metrics(url)
+    samples = metrics_by_name(url)
     busy = samples.get("vllm:num_requests_running", 1) + samples.get("vllm:num_requests_waiting", 1)
     return bool(samples) and samples.get("vllm:kv_cache_usage_perc", 1) == 0 and busy == 0
 
