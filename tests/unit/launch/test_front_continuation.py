@@ -9,7 +9,7 @@ from pdserve.launch.front.continuation import Follow
 from pdserve.launch.samples import parse_samples
 from tests.unit.launch.fake_upstream import running, serve_raw
 
-BASE = 27460  # 27460-27479: a test's front on BASE + 10k, its fakes on the ports after it
+BASE = 27460  # 27460-27489: a test's front on BASE + 10k, its fakes on the ports after it
 
 HEAD = {"id": "cmpl-1", "created": 7, "model": "m"}
 
@@ -192,3 +192,21 @@ def test_a_stream_whose_continuation_fails_ends_in_an_error_event():
         text, error, done = got
         assert text["choices"][0]["text"] == "a" and done == "[DONE]"
         assert error["error"]["code"] == 503 and "the continuation on the decode answered 500" in error["error"]["message"]
+
+
+def test_each_unfinished_choice_of_n_is_continued_through_the_front():
+    router = BASE + 9 + 20
+    with running(BASE + 20, upstream_port=router, instances=(("decode", BASE + 22),)) as run:
+        server = run.call(serve_raw(router, broken_stream(
+            completion_event(0, "a", [5], prompt_ids=[1, 2]), completion_event(1, "b", [6], prompt_ids=[1, 2]),
+            completion_event(0, "c", [7], finish="length"))))
+        run.instances["decode"].completion_events = [completion_event(0, "x", [8], finish="length")]
+        try:
+            got, _ = client_events(run, {"model": "m", "prompt": "hi", "max_tokens": 2, "n": 2, "stream": True})
+        finally:
+            server.close()
+        assert [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in got[:-1]] == [
+            (0, "a"), (1, "b"), (0, "c"), (1, "x")]
+        assert got[-1] == "[DONE]"
+        (continued,) = [json.loads(b) for b in run.instances["decode"].bodies]
+        assert continued["prompt"] == [1, 2, 6] and continued["max_tokens"] == 1 and continued["n"] == 1
