@@ -115,14 +115,14 @@ def main() -> int:
         old = json.loads((out / "results.json").read_text())
         results = [fresh.pop((r["mode"], r["cell"]), r) for r in old] + list(fresh.values())
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    lines = ["# Fault matrix (tiny model, real vLLM, through vllm-router)", "",
+    lines = ["# Fault matrix (tiny model, real vLLM, through the front and vllm-router)", "",
              f"Deadlines: {TIMEOUTS}; load_failure_policy recompute; {len(batch)} requests per cell, 4 at a time "
-             "(kill cells: the prompts 30 times over, the instance SIGKILLed 1 s in; their errors are vllm-router's "
-             "500s naming the dead instance until the supervisor has restarted it; preemption cells: 8 long prompts, "
-             "300 tokens each, 8 at a time, 16 MiB of KV cache per instance). A cell passes when no 200 carries "
-             "tokens that differ from collocated serving, every request ends within its deadline + 5 s, errors occur "
-             "only where the fault kills the instance serving the request, both instances return to idle, and the "
-             "next requests are correct.", "",
+             "(kill cells: the prompts 30 times over, the instance SIGKILLed 1 s in, the front resending or continuing "
+             "its requests on the live instance; preemption cells: 8 long prompts, 300 tokens each, 8 at a time, "
+             "16 MiB of KV cache per instance). A cell passes when no 200 carries tokens that differ from collocated "
+             "serving, no request fails, every request ends within its deadline + 5 s, both instances return to "
+             "idle, and the next requests are correct. Cells are rerun with --update when what they test changes; "
+             "the kill cells last ran on 2026-12-06 with the front's fallback, the others on the rebuilt core.", "",
              "| mode | cell | requests | correct 200 | errors | wrong-token 200 | max s | idle after s | next ok | recomputed | fenced | preemptions | pass |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
