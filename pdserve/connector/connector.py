@@ -26,6 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdserve.config import parse_connector_config
 from pdserve.connector.metadata import StepPlan
+from pdserve.connector.ranks import Ranks
 from pdserve.connector.registration import RouterRegistration
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
@@ -39,11 +40,23 @@ def _model_fingerprint(vllm_config) -> dict:
     model_config = vllm_config.model_config
     hf_config = model_config.hf_config.to_json_string(use_diff=False)
     return {
+        "tp": _tensor_parallel(vllm_config).to_wire(),  # not compared: peers pair their ranks by it (ranks.py)
         "model_config": hashlib.sha256(hf_config.encode()).hexdigest()[:16],
         "dtype": str(model_config.dtype),
         "block_size": vllm_config.cache_config.block_size,
         "vllm": vllm.__version__,
     }
+
+
+def _tensor_parallel(vllm_config) -> Ranks:
+    """This worker's rank, its instance's TP size and the model's KV head count."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    rank = 0
+    if size > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+    return Ranks(rank, size, vllm_config.model_config.get_total_num_kv_heads())
 
 
 def _apply_load_failure_policy(transfer_config, policy: str) -> None:
@@ -95,6 +108,7 @@ class PDConnector(KVConnectorBase_V1):
         check_supported(vllm_config)
         transfer_config = vllm_config.kv_transfer_config
         self._config = parse_connector_config(transfer_config.kv_role, transfer_config.kv_connector_extra_config)
+        check_supported(vllm_config, self._config.placement.adaptive)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         self._registration: RouterRegistration | None = None

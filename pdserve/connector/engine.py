@@ -31,11 +31,13 @@ from pdserve.connector.allowlist import PeerAllowList
 from pdserve.connector.layout import KvLayout
 from pdserve.connector.metadata import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec
 from pdserve.connector.peers import HandshakeResult, Peer, PeerTable
+from pdserve.connector.ranks import SINGLE, Ranks, Slicing
 from pdserve.connector.transfer import Side, Transfer, TransferState
 from pdserve.connector.transfers import leg_kinds
 from pdserve.connector.transfers.base import LegKind
 from pdserve.connector.transfers.binding import PeerBinding
 from pdserve.connector.transfers.completions import Completions, Finished, TransferStats
+from pdserve.connector.transfers.fanout import Fanout
 from pdserve.connector.transfers.messenger import Messenger, Notifier
 from pdserve.connector.transfers.placement_link import PLACEMENT_MESSAGES, PlacementLink
 from pdserve.connector.transfers.records import TransferRecords
@@ -53,7 +55,7 @@ LIVENESS_EVERY_S = 0.5
 
 class TransferEngine:
     def __init__(self, config: ConnectorConfig, layout: KvLayout, transport: Transport,
-                 notifier: Notifier, handshake: Callable[[PeerAddress], HandshakeResult]):
+                 notifier: Notifier, handshake: Callable[[PeerAddress], HandshakeResult], ranks: Ranks = SINGLE):
         self.config = config
         self._layout = layout
         self._transport = transport
@@ -66,6 +68,9 @@ class TransferEngine:
         self._records = TransferRecords(config, self.messenger)
         self._kinds = leg_kinds(self)
         self._step_sends: list[Transfer] = []
+        self._step = 0  # counts engine steps
+        self._step_layers: set[int] = set()  # layers the current step computed so far
+        self.fanout = Fanout(self, ranks, self._peers)
         self._completions = Completions()
         self._next_liveness = 0.0
         self.placement = PlacementLink(config, self.messenger, self._peers, self._records)
@@ -79,28 +84,60 @@ class TransferEngine:
 
     def begin_step(self) -> None:
         self._step_sends = []
+        self._step += 1
+        self._step_layers = set()
 
     def add_send(self, spec: SendSpec) -> None:
-        t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.WRITE, spec.peer,
-                     spec.block_ids, time.monotonic() + self.config.defer_timeout, prompt_hash=spec.prompt_hash)
+        self.fanout.add(spec, self._step)  # opens a send per rank pair (open_send)
+
+    def open_send(self, spec: SendSpec, tid: str, peer: PeerAddress, slicing: Slicing | None, group: str,
+                  step: int, arrived: float) -> None:
+        t = Transfer(tid, spec.request_id, Side.SEND, TransferMode.WRITE, peer, spec.block_ids,
+                     arrived + self.config.defer_timeout, prompt_hash=spec.prompt_hash, slicing=slicing,
+                     group=group)
+        this_step = step == self._step
+        t.copies.layers_ready |= self._step_layers if this_step else set(range(self.num_layers))
         if self._admit(t) and not t.state.is_terminal:
-            self._step_sends.append(t)
+            if this_step:
+                self._step_sends.append(t)
             self.binding.prepare(t)
+            self._kinds[(Side.SEND, TransferMode.WRITE)].try_write(t)
 
     def add_hold(self, spec: HoldSpec) -> None:
         deadline = time.monotonic() + max(0.0, spec.expires_at - time.time())
         t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.READ, None, spec.block_ids, deadline,
                      prompt_hash=spec.prompt_hash)
-        self._admit(t)
+        if self._admit(t):
+            for name in self._records.early_subs(spec.transfer_id):  # a D rank named its sub-transfer already
+                self.fanout.split_hold(name)
+
+    def replace_hold(self, parent: Transfer, ids: list[str]) -> None:
+        """P READ: hold `parent`'s blocks as one sub-transfer per D rank that reads (or releases) them."""
+        del self._transfers[parent.transfer_id]
+        for tid in ids:
+            self._admit(Transfer(tid, parent.request_id, Side.SEND, TransferMode.READ, None, parent.local_block_ids,
+                                 parent.deadline, prompt_hash=parent.prompt_hash, group=parent.transfer_id,
+                                 created_at=parent.created_at))
 
     def add_recv(self, spec: RecvSpec) -> None:
-        t = Transfer(spec.transfer_id, spec.request_id, Side.RECV, spec.mode, spec.peer, spec.block_ids,
-                     time.monotonic() + self.config.transfer_timeout, spec.remote_block_ids, spec.first_block,
-                     prompt_hash=spec.prompt_hash)
         if spec.error:
-            t.fail(spec.error)
-            self.finish(t, track=False)
-            return
+            self.reject(spec, spec.error)
+        else:
+            self.fanout.add(spec, self._step)  # opens a receive per rank pair (open_recv)
+
+    def reject(self, spec: SendSpec | RecvSpec, reason: str) -> None:
+        """Fail `spec`'s request at once, touching no transfer of that id."""
+        recv = isinstance(spec, RecvSpec)
+        t = Transfer(spec.transfer_id, spec.request_id, Side.RECV if recv else Side.SEND,
+                     spec.mode if recv else TransferMode.WRITE, spec.peer, spec.block_ids, time.monotonic())
+        t.fail(reason)
+        self.finish(t, track=False)
+
+    def open_recv(self, spec: RecvSpec, tid: str, peer: PeerAddress, slicing: Slicing | None, group: str,
+                  arrived: float) -> None:
+        t = Transfer(tid, spec.request_id, Side.RECV, spec.mode, peer, spec.block_ids,
+                     arrived + self.config.transfer_timeout, spec.remote_block_ids, spec.first_block,
+                     prompt_hash=spec.prompt_hash, slicing=slicing, group=group)
         if self._admit(t) and not t.state.is_terminal:
             self.binding.bind(t)
 
@@ -111,7 +148,8 @@ class TransferEngine:
         if t is not None:
             self.stop(t, spec.reason, tell_peer=True)
             return
-        self._records.cancel(spec)
+        if not self.fanout.cancel(spec):
+            self._records.cancel(spec)
 
     def await_decision(self, spec: AwaitSpec) -> None:
         """P, adaptive placement: the prefill leg of `spec` waits for D's word (placement_link.py)."""
@@ -119,6 +157,7 @@ class TransferEngine:
 
     def layer_ready(self, layer_index: int) -> None:
         """P WRITE: the forward pass has just computed `layer_index` for this step's sends."""
+        self._step_layers.add(layer_index)
         for t in self._step_sends:
             if not t.state.is_terminal:
                 t.copies.layers_ready.add(layer_index)
@@ -152,10 +191,14 @@ class TransferEngine:
             if not t.state.is_terminal and now > t.deadline:
                 self._expire(t)
         self._records.expire_early(now)
+        self.fanout.expire(now)
 
     def take_finished(self, finished_req_ids: set[str]) -> Finished:
-        sending = {t.request_id for t in self._transfers.values() if t.side is Side.SEND}
+        sending = {t.request_id for t in self._transfers.values() if t.side is Side.SEND} | self.fanout.parked_sends()
         return self._completions.take(finished_req_ids, sending)
+
+    def transfer(self, transfer_id: str) -> Transfer | None:
+        return self._transfers.get(transfer_id)
 
     def running(self) -> list[Transfer]:
         """The transfers not yet DONE or FAILED (a copy: callers may end some)."""
@@ -207,13 +250,14 @@ class TransferEngine:
             peer = self._peers.apply(event)
             if peer is not None:
                 self.binding.on_peer(peer)
+                self.fanout.on_peer(peer)
             return
         sender, message, received = event
         if isinstance(message, PLACEMENT_MESSAGES):
             self.placement.on_message(message)
             return
         tid = message.transfer_id
-        t = self._transfers.get(tid)
+        t = self._transfers.get(tid) or self.fanout.split_hold(tid)
         if t is not None:
             self.deliver(t, sender, message, received)
             return
@@ -236,7 +280,7 @@ class TransferEngine:
     def submit(self, t: Transfer, peer: Peer, direction: Direction, layers) -> None:
         """Start copying `layers` of `t`'s block pairs with `peer`, bounded by `t.copies.not_after`."""
         try:
-            batch = self._layout.layer_ops(peer.layout, layers, t.block_pairs())
+            batch = self._layout.layer_ops(peer.layout, layers, t.block_pairs(), t.slicing)
         except PDServeError as exc:
             self.stop(t, str(exc), tell_peer=True)
             return
@@ -297,4 +341,9 @@ class TransferEngine:
             log = logger.info if quiet or t.error == RELEASED_BY_DECODE else logger.error
             log("pdserve: transfer %s (request %s) failed: %s [%s]", t.transfer_id, t.request_id,
                 t.error, t.describe())
-        self._completions.ended(t)
+        if not self.fanout.ended(t):
+            self._completions.ended(t)
+
+    def group_ended(self, request_id: str, side: Side, failed: bool) -> None:
+        """Every sub-transfer of a request's transfer on this rank ended (transfers/fanout.py)."""
+        self._completions.request_ended(request_id, side, failed)

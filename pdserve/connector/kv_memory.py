@@ -24,14 +24,19 @@ class KvMemory:
         self.layer_index: dict[str, int] = {}
         self._segments: list = []
 
-    def register(self, kv_caches: dict, transport: Transport) -> None:
-        """Called once, from vLLM's `register_kv_caches`, with every layer's KV tensor."""
+    def register(self, kv_caches: dict, transport: Transport, local_heads: int | None) -> None:
+        """Called once, from vLLM's `register_kv_caches`, with every layer's KV tensor (each block
+        holding `local_heads` heads, outermost: ranks of other TP sizes copy them in slices;
+        None: not checked)."""
         placements = move_tensors_to_shared_memory(kv_caches, self._token)
         region_ids: dict[int, int] = {}
         layers = []
         for index, (name, tensor) in enumerate(kv_caches.items()):
             if not tensor.is_contiguous():
                 raise PDServeError(f"KV cache of {name} is not contiguous; PDConnector needs block-contiguous KV")
+            if local_heads is not None and (tensor.dim() != 4 or tensor.shape[1] != local_heads):
+                raise PDServeError(f"KV cache of {name} has shape {list(tensor.shape)}; PDConnector needs "
+                                   f"[blocks, {local_heads} heads, block size, head bytes]")
             placement = placements[name]
             segment = placement.segment
             if id(segment) not in region_ids:
@@ -44,11 +49,12 @@ class KvMemory:
             layers.append(LayerPlacement(region_ids[id(segment)], placement.byte_offset, block_bytes, tensor.shape[0]))
             self.layer_index[name] = index
         first = next(iter(kv_caches.values()))
-        shapes = "|".join(f"{name}:{t.dtype}:{list(t.shape)}:{t.stride(0)}" for name, t in kv_caches.items())
+        # per head: what must match between ranks of any tensor-parallel sizes (heads per rank may differ)
+        shapes = "|".join(f"{name}:{t.dtype}:{list(t.shape[2:])}:{t.stride(1)}" for name, t in kv_caches.items())
         self.fingerprint = {
             **self._model_fingerprint,
             "kv_dtype": str(first.dtype),
-            "kv_block_shape": list(first.shape[1:]),
+            "kv_head_shape": list(first.shape[2:]),
             "kv_layers": hashlib.sha256("|".join(kv_caches).encode()).hexdigest()[:16],
             "kv_layer_shapes": hashlib.sha256(shapes.encode()).hexdigest()[:16],
             "kv_regions": [layer.region_id for layer in layers],

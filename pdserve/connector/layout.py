@@ -1,16 +1,19 @@
 """Where each attention layer's KV blocks live, and the fingerprint two peers must share.
 
 vLLM's CPU backend keeps one tensor per attention layer, `[num_blocks, num_kv_heads,
-block_size, 2*head_size]`, block-contiguous, and packs the bytes inside a block ISA-specifically
-(AMX tiles), so blocks move as opaque bytes and both sides must agree on dtype, block size,
-layout and ISA. That agreement is the fingerprint, checked in the handshake.
+block_size, 2*head_size]`, block-contiguous, and packs the bytes of each head inside a block
+ISA-specifically (AMX tiles), so blocks (or, between ranks of different tensor-parallel sizes,
+each block's range of shared heads) move as opaque bytes and both sides must agree on dtype, block
+size, per-head layout and ISA. That agreement is the fingerprint, checked in the handshake.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from pdserve.connector.ranks import Slicing
 from pdserve.errors import IncompatiblePeerError, ProtocolError
 from pdserve.transport.base import CopyOp, RegionOps, merge_contiguous
 
@@ -63,12 +66,15 @@ class LayerPlacement:
 class KvLayout:
     layers: tuple[LayerPlacement, ...]  # in model order; index = layer index
 
-    def layer_ops(self, peer: KvLayout, layers, pairs: list[tuple[int, int]]) -> list[RegionOps]:
+    def layer_ops(self, peer: KvLayout, layers, pairs: list[tuple[int, int]],
+                  slicing: Slicing | None = None) -> list[RegionOps]:
         """Copy lists for `layers`, moving local block a to peer block b for each (a, b) pair.
 
-        Contiguous runs are merged into one copy per run. ProtocolError for a layer index either
-        side lacks, layers placed differently (region, block size), or a block id outside
-        0..num_blocks-1 on its side (a negative id would reach into the layer before)."""
+        With `slicing` (the two ranks hold different heads, ranks.py) only the shared heads' byte
+        range of each block moves. Contiguous runs are
+        merged into one copy per run. ProtocolError for a layer index either side lacks, layers
+        placed differently (region, block or head size), or a block id outside 0..num_blocks-1 on
+        its side (a negative id would reach into the layer before)."""
         for pair in pairs:
             if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in pair):
                 raise ProtocolError(f"block pair {pair!r:.60} holds a negative or non-integer block id")
@@ -79,8 +85,7 @@ class KvLayout:
             mine, theirs = self.layers[index], peer.layers[index]
             if mine.region_id != theirs.region_id:
                 raise ProtocolError(f"layer {index} lives in region {mine.region_id} here, {theirs.region_id} on the peer")
-            if mine.block_bytes != theirs.block_bytes:
-                raise ProtocolError(f"layer {index} has {mine.block_bytes}-byte blocks here, {theirs.block_bytes} on the peer")
+            span = _head_span(index, mine, theirs, slicing)
             for block, other in pairs:
                 if block >= mine.num_blocks or other >= theirs.num_blocks:
                     raise ProtocolError(
@@ -88,7 +93,8 @@ class KvLayout:
                         f"({mine.num_blocks} local, {theirs.num_blocks} remote blocks)"
                     )
             ops = merge_contiguous(
-                CopyOp(mine.offset + a * mine.block_bytes, theirs.offset + b * theirs.block_bytes, mine.block_bytes)
+                CopyOp(mine.offset + a * mine.block_bytes + span.local, theirs.offset + b * theirs.block_bytes + span.peer,
+                       span.length)
                 for a, b in pairs
             )
             batch.append(RegionOps(mine.region_id, tuple(ops)))
@@ -140,9 +146,34 @@ class KvLayout:
                     )
 
 
+class _Span(NamedTuple):
+    local: int  # bytes into the local block
+    peer: int  # bytes into the peer's block
+    length: int
+
+
+def _head_span(index: int, mine: LayerPlacement, theirs: LayerPlacement, slicing: Slicing | None) -> _Span:
+    """The byte range of each block that moves: the whole block, or the shared heads' range."""
+    if slicing is None:
+        if mine.block_bytes != theirs.block_bytes:
+            raise ProtocolError(f"layer {index} has {mine.block_bytes}-byte blocks here, {theirs.block_bytes} on the peer")
+        return _Span(0, 0, mine.block_bytes)
+    heads, local_heads, peer_heads = slicing.heads, slicing.local_heads, slicing.peer_heads
+    head_bytes = mine.block_bytes // local_heads
+    if head_bytes * local_heads != mine.block_bytes or theirs.block_bytes != head_bytes * peer_heads:
+        raise ProtocolError(f"layer {index}: {mine.block_bytes}-byte blocks of {local_heads} heads here, "
+                            f"{theirs.block_bytes}-byte blocks of {peer_heads} heads on the peer")
+    if heads.first_local + heads.count > local_heads or heads.first_peer + heads.count > peer_heads:
+        raise ProtocolError(f"layer {index}: heads {heads} lie outside the blocks")
+    return _Span(heads.first_local * head_bytes, heads.first_peer * head_bytes, heads.count * head_bytes)
+
+
+NOT_COMPARED = ("tp",)  # differs between peers by design: the pairing is derived from it (ranks.py)
+
+
 def check_compatible(local: dict, remote: dict, peer: str) -> None:
     """Raise IncompatiblePeerError naming every differing fingerprint field."""
-    keys = sorted(set(local) | set(remote))
+    keys = sorted((set(local) | set(remote)) - set(NOT_COMPARED))
     diffs = [f"{k}: ours {local.get(k)!r}, theirs {remote.get(k)!r}" for k in keys if local.get(k) != remote.get(k)]
     if diffs:
         raise IncompatiblePeerError(f"peer {peer} has an incompatible KV cache ({'; '.join(diffs)})")

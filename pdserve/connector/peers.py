@@ -31,6 +31,7 @@ from pdserve.connector.allowlist import PeerAllowList
 from pdserve.connector.handshakes import HandshakeThreads
 from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout
+from pdserve.connector.ranks import SINGLE, Ranks
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
 from pdserve.transport.base import RegionDescriptor, Transport
@@ -62,6 +63,7 @@ class Peer:
     outbox: list = field(default_factory=list)  # messages for whichever incarnation the handshake finds
     refused_by: str = ""  # FAILED: the incarnation that answered and refused (incompatible), if one did
     refreshing: bool = False  # a new handshake checks whether another incarnation listens now
+    ranks: Ranks = SINGLE  # READY: its tensor-parallel layout (its instance's size, this rank)
 
     @property
     def key(self) -> str:
@@ -80,6 +82,7 @@ class HandshakeResult:
     error: str = ""
     route: PeerRoute | None = None  # how to reach it (same host or NIXL), for a RoutedTransport
     refused_by: str = ""  # with `error`: the incarnation that answered but is incompatible (no retry helps)
+    ranks: Ranks = SINGLE
 
 
 class PeerTable:
@@ -157,6 +160,7 @@ class PeerTable:
             logger.error("pdserve: %s", result.error)
         else:
             peer.state, peer.incarnation, peer.layout = PeerState.READY, result.incarnation, result.layout
+            peer.ranks = result.ranks
             self._met(peer.address)
             logger.info("pdserve: attached peer %s (%s) over %s", peer.key, _where(peer.address), self._over(peer))
         return peer
@@ -170,7 +174,7 @@ class PeerTable:
             return peer
         logger.info("pdserve: peer %s restarted: %s -> %s", _where(peer.address), peer.key, result.incarnation.identity)
         self._detach(peer)
-        peer.incarnation, peer.layout = result.incarnation, result.layout
+        peer.incarnation, peer.layout, peer.ranks = result.incarnation, result.layout, result.ranks
         self._met(peer.address)
         return peer
 

@@ -2,20 +2,19 @@
 with a line naming the setting, before vLLM allocates a KV cache.
 
 Supported: one KV cache group of attention layers (dense, or sliding-window with vLLM's hybrid KV
-cache manager off), tensor, pipeline and data parallel size 1 per instance. MLA is refused: through
+cache manager off), any tensor-parallel size (each rank moves its own heads, ranks.py; adaptive
+placement only at size 1), pipeline and data parallel size 1 per instance. MLA is refused: through
 READ mode a DeepSeek-V2-style model on vLLM's reference (non-AMX) MLA backend answered with other
-tokens than collocated serving. Tensor
-parallelism needs each rank to hand its own heads to the peer's matching rank, and hybrid models
-with mamba or linear-attention layers need their state moved beside the KV blocks; neither exists
-yet, and either would otherwise fail later (ports taken twice, vLLM's "Failed to promote local KV
-cache specs") or, worse, move only part of what D needs.
+tokens than collocated serving. Hybrid models with mamba or linear-attention layers need their
+state moved beside the KV blocks, which does not exist yet, and would otherwise fail later (vLLM's
+"Failed to promote local KV cache specs") or, worse, move only part of what D needs.
 """
 
 from __future__ import annotations
 
 from pdserve.errors import ConfigError
 
-PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+PARALLEL_SIZES = ("pipeline_parallel_size", "data_parallel_size")
 
 
 def unsupported(vllm_config) -> list[str]:
@@ -25,7 +24,7 @@ def unsupported(vllm_config) -> list[str]:
     for name in PARALLEL_SIZES:
         size = getattr(parallel, name, 1) or 1
         if size != 1:
-            reasons.append(f"{name} is {size}; PDConnector moves KV between instances of size 1 only")
+            reasons.append(f"{name} is {size}; PDConnector moves KV between instances of {name} 1 only")
     model = vllm_config.model_config
     if model is not None and (getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False)):
         reasons.append(f"model {model.model!r} has mamba or linear-attention layers, whose state PDConnector "
@@ -36,8 +35,12 @@ def unsupported(vllm_config) -> list[str]:
     return reasons
 
 
-def check_supported(vllm_config) -> None:
-    """ConfigError naming every setting PDConnector cannot serve."""
+def check_supported(vllm_config, adaptive: bool = False) -> None:
+    """ConfigError naming every setting PDConnector cannot serve (`adaptive`: placement is adaptive)."""
     reasons = unsupported(vllm_config)
+    tp = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1
+    if adaptive and tp != 1:
+        reasons.append(f"tensor_parallel_size is {tp}; adaptive placement runs at tensor_parallel_size 1 only "
+                       "(use mode write or read)")
     if reasons:
         raise ConfigError("PDConnector cannot serve this configuration: " + "; ".join(reasons))

@@ -28,6 +28,7 @@ from enum import Enum
 
 from pdserve.config import TransferMode
 from pdserve.connector.incarnation import Incarnation
+from pdserve.connector.ranks import Slicing
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
 from pdserve.transport.base import TransferStatus
@@ -121,6 +122,8 @@ class Transfer:
     link: PeerLink = field(default_factory=PeerLink)
     copies: Copies = field(default_factory=Copies)
     window: WriteWindow | None = None  # D WRITE, once announced
+    slicing: Slicing | None = None  # the heads this rank pair shares, when the ranks hold different ones
+    group: str = ""  # the transfer this is a rank pair's sub-transfer of (transfers/fanout.py)
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
 

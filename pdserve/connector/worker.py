@@ -13,7 +13,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.config import ConnectorConfig
 from pdserve.connector.decode_serving import DecodeServing
@@ -25,6 +25,7 @@ from pdserve.connector.kv_memory import KvMemory
 from pdserve.connector.layout import KvLayout, check_compatible
 from pdserve.connector.metadata import StepPlan
 from pdserve.connector.peers import HandshakeResult
+from pdserve.connector.ranks import SINGLE, Ranks
 from pdserve.connector.worker_stats import WorkerStats
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
@@ -68,6 +69,11 @@ class StepFlags:
 
 class PDWorker:
     def __init__(self, config: ConnectorConfig, model_fingerprint: dict):
+        self._ranks = Ranks.from_wire(model_fingerprint.get("tp", SINGLE.to_wire()))
+        self._heads_known = "tp" in model_fingerprint
+        # rank r of an instance listens on its configured ports + r (ranks.py: rank_address)
+        config = replace(config, handshake_port=config.handshake_port + self._ranks.rank,
+                         notify_port=config.notify_port + self._ranks.rank)
         self._config = config
         token = secrets.token_hex(4)
         self.identity = f"{config.engine_id}/{os.getpid()}-{token}"
@@ -92,8 +98,9 @@ class PDWorker:
         removed = sweep_stale_segments()
         if removed:
             logger.info("pdserve: removed %d shared-memory segments left by dead instances", len(removed))
-        self._kv.register(kv_caches, self._transport)
-        self._engine = TransferEngine(self._config, self._kv.layout, self._transport, self, self._handshake)
+        self._kv.register(kv_caches, self._transport, self._ranks.local_heads if self._heads_known else None)
+        self._engine = TransferEngine(self._config, self._kv.layout, self._transport, self, self._handshake,
+                                      self._ranks)
         self._idle_pump = IdlePump(self._engine.pump, self._engine_lock)
         self._idle_pump.start()
         if self._decode_serving is not None:
@@ -105,9 +112,9 @@ class PDWorker:
         ]
         layers = self._kv.layout.layers
         logger.info(
-            "pdserve: %s %s ready: %d layers, %d blocks of %d bytes per layer in shared memory, fingerprint %s",
-            self._config.role.name, self.identity, len(layers), layers[0].num_blocks, layers[0].block_bytes,
-            self._kv.fingerprint,
+            "pdserve: %s %s (rank %d of %d) ready: %d layers, %d blocks of %d bytes per layer in shared memory, "
+            "fingerprint %s", self._config.role.name, self.identity, self._ranks.rank, self._ranks.size, len(layers),
+            layers[0].num_blocks, layers[0].block_bytes, self._kv.fingerprint,
         )
 
     # ---- control plane (server threads) ----------------------------------------------------
@@ -158,6 +165,10 @@ class PDWorker:
             layout = KvLayout.from_wire(reply.layers, region_sizes={d.region_id: d.size for d in regions})
             if len(layout.layers) != len(self._kv.layout.layers):
                 raise IncompatiblePeerError(f"peer {where} has {len(layout.layers)} KV layers, we have {len(self._kv.layout.layers)}")
+            ranks = Ranks.from_wire(reply.fingerprint.get("tp", SINGLE.to_wire()))
+            if ranks.total_heads != self._ranks.total_heads:
+                raise IncompatiblePeerError(f"peer {where} counts {ranks.total_heads} KV heads, we count "
+                                            f"{self._ranks.total_heads}")
         except IncompatiblePeerError as exc:
             return HandshakeResult(address, error=str(exc), refused_by=answered_by)
         except PDServeError as exc:
@@ -166,7 +177,7 @@ class PDWorker:
         route = PeerRoute(not_here is None, reply.nixl_metadata, not_here or "")
         # pid and boot id prove a death only to a peer that shares our host (and PID namespace)
         incarnation = Incarnation(reply.engine_id, reply.pid, reply.start_time, reply.boot_id if route.same_host else "")
-        return HandshakeResult(address, incarnation, regions, layout, route=route)
+        return HandshakeResult(address, incarnation, regions, layout, route=route, ranks=ranks)
 
     def notify(self, address: PeerAddress, message, recipient: str) -> bool:
         def send(msg) -> bool:
@@ -204,11 +215,11 @@ class PDWorker:
             engine.add_send(spec)
         for spec in meta.awaits:
             engine.await_decision(spec)
-        if meta.load is not None:
+        if meta.load is not None and self._ranks.rank == 0:  # one voice per instance in placement
             engine.placement.publish_load(meta.load)
             if self._decode_serving is not None:
                 self._decode_serving.on_own_load(meta.load)
-        if meta.status is not None:
+        if meta.status is not None and self._ranks.rank == 0:
             engine.placement.publish_status(meta.status)
         self._stats.on_plan(meta)
         self._step = StepFlags(bool(meta.sends), meta.idle)

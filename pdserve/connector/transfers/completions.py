@@ -52,12 +52,16 @@ class Completions:
 
     def ended(self, t: Transfer) -> None:
         """`t` has just reached DONE or FAILED."""
-        if t.side is Side.SEND:
-            self._sent.add(t.request_id)
+        self.request_ended(t.request_id, t.side, t.state is TransferState.FAILED)
+
+    def request_ended(self, request_id: str, side: Side, failed: bool) -> None:
+        """Every transfer of `request_id` on this side (of this rank) ended; `failed` if one did."""
+        if side is Side.SEND:
+            self._sent.add(request_id)
         else:
-            self._finished.recving.add(t.request_id)
-            if t.state is TransferState.FAILED:
-                self._finished.failed_recving.add(t.request_id)
+            self._finished.recving.add(request_id)
+            if failed:
+                self._finished.failed_recving.add(request_id)
 
     def take(self, finished_req_ids: set[str], sending: set[str]) -> Finished:
         """`finished_req_ids`: what vLLM finished this step; `sending`: requests still sending."""

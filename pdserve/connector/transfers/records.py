@@ -45,6 +45,10 @@ class TransferRecords:
     def take_early(self, tid: str) -> list[EarlyMessage]:
         return self.early.pop(tid, [])
 
+    def early_subs(self, tid: str) -> list[str]:
+        """Sub-transfer ids of `tid` (ranks.py) messages came for before it."""
+        return [name for name in self.early if name.startswith(f"{tid}#")]
+
     def announced_early(self, tid: str) -> bool:
         """D's `RemoteBlocks` for `tid` came before its transfer."""
         return any(isinstance(item.message, RemoteBlocks) for item in self.early.get(tid, ()))

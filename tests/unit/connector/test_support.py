@@ -20,8 +20,18 @@ def test_one_group_of_attention_layers_at_size_one_is_served():
     check_supported(vllm_config())
 
 
-@pytest.mark.parametrize("field, kwargs", [("tensor_parallel_size is 2", dict(tp=2)),
-                                           ("pipeline_parallel_size is 2", dict(pp=2)),
+def test_tensor_parallel_instances_are_served_with_static_placement():
+    assert unsupported(vllm_config(tp=2)) == []
+    check_supported(vllm_config(tp=4))
+
+
+def test_adaptive_placement_with_tensor_parallelism_is_refused_naming_both():
+    with pytest.raises(ConfigError, match="tensor_parallel_size is 2; adaptive placement runs at tensor_parallel_size 1"):
+        check_supported(vllm_config(tp=2), adaptive=True)
+    check_supported(vllm_config(), adaptive=True)
+
+
+@pytest.mark.parametrize("field, kwargs", [("pipeline_parallel_size is 2", dict(pp=2)),
                                            ("data_parallel_size is 4", dict(dp=4))])
 def test_parallel_sizes_above_one_are_refused_by_name(field, kwargs):
     with pytest.raises(ConfigError, match=field):
@@ -35,7 +45,7 @@ def test_models_with_state_layers_are_refused_naming_the_model(kwargs):
 
 
 def test_every_reason_is_named_at_once():
-    reasons = unsupported(vllm_config(tp=2, hybrid=True))
+    reasons = unsupported(vllm_config(pp=2, hybrid=True))
     assert len(reasons) == 2
 
 

@@ -1,0 +1,178 @@
+"""`Fanout`: one request's transfer, split into the sub-transfers of this rank's rank pairs, and
+their endings joined into one report.
+
+Between instances of tensor-parallel sizes Tp and Td each rank moves only its pairs' heads
+(ranks.py). A send or receive needs the peer instance's TP size, which its handshake answers (the
+peer's rank 0 listens at the address the request names): until then the spec is parked, bounded
+by the handshake's own deadline. A P hold (READ) learns D's size from the first sub-transfer id a
+D rank names, and splits then. A request ends on this rank once every sub-transfer of it ended;
+it failed if any did. Between TP 1 instances a transfer has one sub-transfer, with its own id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from pdserve.config import TransferMode
+from pdserve.connector.metadata import CancelSpec, RecvSpec, SendSpec
+from pdserve.connector.peers import Peer, PeerState, PeerTable
+from pdserve.connector.ranks import Ranks, Slicing, coverer, pairs_for, parse_sub_id, rank_address, sub_id
+from pdserve.connector.transfer import Side, Transfer, TransferState
+from pdserve.control.address import PeerAddress
+
+logger = logging.getLogger("pdserve.connector")
+
+
+@dataclass
+class Group:
+    """The sub-transfers of one transfer on this rank."""
+
+    request_id: str
+    side: Side
+    open: int  # sub-transfers not yet ended
+    failed: bool = False
+
+
+@dataclass
+class Parked:
+    """A send or receive waiting for its peer instance's TP size."""
+
+    spec: SendSpec | RecvSpec
+    step: int  # the engine step it was added in
+    arrived: float  # monotonic: its sub-transfers' deadlines count from here
+    deadline: float  # monotonic: past it, it goes on as if the peer had TP 1 (and fails on it)
+
+
+class Fanout:
+    def __init__(self, engine, ranks: Ranks, peers: PeerTable):
+        self._engine = engine  # engine.TransferEngine: opens the sub-transfers, reports endings
+        self.ranks = ranks
+        self._peers = peers
+        self._parked: list[Parked] = []
+        self._groups: dict[str, Group] = {}  # transfer id -> its sub-transfers on this rank
+
+    # ---- splitting -------------------------------------------------------------------------
+
+    def add(self, spec: SendSpec | RecvSpec, step: int) -> None:
+        if spec.transfer_id in self._groups or any(p.spec.transfer_id == spec.transfer_id for p in self._parked):
+            self._engine.reject(spec, f"transfer_id {spec.transfer_id!r} is already in use")
+            return
+        size = self._peer_size(spec.peer)
+        now = time.monotonic()
+        if size is None:
+            config = self._engine.config
+            limit = config.handshake_timeout + 1.0
+            if isinstance(spec, RecvSpec):
+                limit = min(limit, config.transfer_timeout)
+            self._parked.append(Parked(spec, step, now, now + limit))
+        else:
+            self._split(spec, size, step, now)
+
+    def on_peer(self, peer: Peer) -> None:
+        """A handshake ended: split what waited for that instance's size."""
+        waiting = [p for p in self._parked if p.spec.peer == peer.address]
+        if waiting:
+            self._parked = [p for p in self._parked if p.spec.peer != peer.address]
+            for parked in waiting:
+                self._split(parked.spec, self._peer_size(parked.spec.peer) or 1, parked.step, parked.arrived)
+
+    def expire(self, now: float) -> None:
+        late = [p for p in self._parked if now > p.deadline]
+        if late:
+            self._parked = [p for p in self._parked if now <= p.deadline]
+            for parked in late:
+                self._split(parked.spec, 1, parked.step, parked.arrived)
+
+    def _peer_size(self, base: PeerAddress) -> int | None:
+        peer = self._peers.lookup(base)
+        if peer.state is PeerState.READY:
+            return peer.ranks.size
+        if peer.state is PeerState.FAILED:
+            return 1  # its sub-transfers fail on it, naming why
+        return None
+
+    def _split(self, spec: SendSpec | RecvSpec, peer_size: int, step: int, arrived: float) -> None:
+        sending = isinstance(spec, SendSpec)
+        prefill_size, decode_size = (self.ranks.size, peer_size) if sending else (peer_size, self.ranks.size)
+        pairs = pairs_for(self.ranks, peer_size, local_is_prefill=sending)
+        group = Group(spec.request_id, Side.SEND if sending else Side.RECV, len(pairs))
+        self._groups[spec.transfer_id] = group
+        peer_heads = Ranks(0, peer_size, self.ranks.total_heads).local_heads
+        for pair in pairs:
+            tid = sub_id(spec.transfer_id, pair.prefill, prefill_size, pair.decode, decode_size)
+            address = rank_address(spec.peer, pair.decode if sending else pair.prefill)
+            slicing = None if pair.heads is None else Slicing(pair.heads, self.ranks.local_heads, peer_heads)
+            if sending:
+                self._engine.open_send(spec, tid, address, slicing, spec.transfer_id, step, arrived)
+            else:
+                self._engine.open_recv(spec, tid, address, slicing, spec.transfer_id, arrived)
+        if not sending and spec.mode is TransferMode.READ:
+            self._cover(spec, peer_size)
+        if not pairs:
+            self._end(spec.transfer_id)
+
+    def _cover(self, spec: RecvSpec, prefill_size: int) -> None:
+        """READ: P ranks no D rank reads from are told to let go by one D rank each."""
+        prefill = Ranks(0, prefill_size, self.ranks.total_heads)
+        for p in range(prefill_size):
+            if coverer(prefill, self.ranks.size, p) == self.ranks.rank:
+                tid = sub_id(spec.transfer_id, p, prefill_size, self.ranks.rank, self.ranks.size)
+                self._engine.messenger.send(rank_address(spec.peer, p), self._engine.messenger.release(tid))
+
+    def split_hold(self, name: str) -> Transfer | None:
+        """P READ: a D rank named sub-transfer `name` of a prompt we hold whole: split the hold
+        into this rank's sub-transfers with D's ranks; the one named, if it is ours."""
+        sub = parse_sub_id(name)
+        if sub is None:
+            return None
+        parent = self._engine.transfer(sub.transfer_id)
+        if parent is None or parent.side is not Side.SEND or parent.mode is not TransferMode.READ or parent.group:
+            return None
+        if (sub.prefill, sub.prefill_size) != (self.ranks.rank, self.ranks.size):
+            logger.warning("pdserve: ignoring sub-transfer %s: this is rank %d of %d", name, self.ranks.rank,
+                           self.ranks.size)
+            return None
+        pairs = pairs_for(self.ranks, sub.decode_size, local_is_prefill=True)
+        readers = [p.decode for p in pairs] or [coverer(self.ranks, sub.decode_size, self.ranks.rank)]
+        self._groups[parent.transfer_id] = Group(parent.request_id, Side.SEND, len(readers))
+        self._engine.replace_hold(parent, [sub_id(parent.transfer_id, self.ranks.rank, self.ranks.size, d,
+                                                  sub.decode_size) for d in readers])
+        return self._engine.transfer(name)
+
+    # ---- endings ---------------------------------------------------------------------------
+
+    def ended(self, t: Transfer) -> bool:
+        """`t` ended; True when it belongs to a group (whose report waits for its last member)."""
+        group = self._groups.get(t.group) if t.group else None
+        if group is None:
+            return False
+        group.open -= 1
+        group.failed |= t.state is TransferState.FAILED
+        if group.open <= 0:
+            self._end(t.group)
+        return True
+
+    def _end(self, transfer_id: str) -> None:
+        group = self._groups.pop(transfer_id)
+        self._engine.group_ended(group.request_id, group.side, group.failed)
+
+    def cancel(self, spec: CancelSpec) -> bool:
+        """Stop every sub-transfer of `spec`'s transfer (or drop it parked); False if none is known."""
+        parked = [p for p in self._parked if p.spec.transfer_id == spec.transfer_id]
+        if parked:
+            self._parked = [p for p in self._parked if p.spec.transfer_id != spec.transfer_id]
+            side = Side.SEND if isinstance(parked[0].spec, SendSpec) else Side.RECV
+            self._engine.group_ended(parked[0].spec.request_id, side, True)
+            return False  # the peer is still told (records.cancel), under the transfer's own id
+        if spec.transfer_id not in self._groups:
+            return False
+        for t in self._engine.running():
+            if t.group == spec.transfer_id:
+                self._engine.stop(t, spec.reason, tell_peer=True)
+        return True
+
+    def parked_sends(self) -> set[str]:
+        """Requests whose send waits to be split: vLLM must keep their blocks."""
+        return {p.spec.request_id for p in self._parked if isinstance(p.spec, SendSpec)}
