@@ -21,10 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdserve.config import parse_connector_config
+from pdserve.connector.kv_groups import KvGroups
 from pdserve.connector.metadata import StepPlan
 from pdserve.connector.ranks import Ranks
 from pdserve.connector.registration import RouterRegistration
@@ -99,16 +101,16 @@ class PDConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-class PDConnector(KVConnectorBase_V1):
+class PDConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P  # vLLM's prompt_tokens_cached_by_source{source="p2p"}
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         route_logs_to_vllm()
-        check_supported(vllm_config)
         transfer_config = vllm_config.kv_transfer_config
         self._config = parse_connector_config(transfer_config.kv_role, transfer_config.kv_connector_extra_config)
         check_supported(vllm_config, self._config.placement.adaptive)
+        groups = KvGroups.from_kv_cache_config(kv_cache_config, vllm_config.cache_config.block_size)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         self._registration: RouterRegistration | None = None
@@ -118,11 +120,11 @@ class PDConnector(KVConnectorBase_V1):
             self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size,
                                           scheduler_config.max_num_batched_tokens,
                                           getattr(scheduler_config, "long_prefill_token_threshold", 0) or None,
-                                          set_chunk=_chunk_setter(scheduler_config))
+                                          set_chunk=_chunk_setter(scheduler_config), num_groups=groups.num_groups)
             if self._config.proxy_ip:
                 self._registration = RouterRegistration(self._config)
         else:
-            self._worker = PDWorker(self._config, _model_fingerprint(vllm_config))
+            self._worker = PDWorker(self._config, _model_fingerprint(vllm_config), groups)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
@@ -155,6 +157,10 @@ class PDConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(connector_output, news)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: one block list per KV cache group (kv_groups.py)."""
         return self._scheduler.request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:

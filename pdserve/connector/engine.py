@@ -21,6 +21,7 @@ behaviour of each kind of leg is in transfers/ (one unit per kind), the engine d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -108,7 +109,8 @@ class TransferEngine:
         t = Transfer(spec.transfer_id, spec.request_id, Side.SEND, TransferMode.READ, None, spec.block_ids, deadline,
                      prompt_hash=spec.prompt_hash)
         if self._admit(t):
-            for name in self._records.early_subs(spec.transfer_id):  # a D rank named its sub-transfer already
+            # a D rank named its sub-transfer already (read it, or let go of it)
+            for name in self._records.early_subs(spec.transfer_id) + self._records.fenced_subs(spec.transfer_id):
                 self.fanout.split_hold(name)
 
     def replace_hold(self, parent: Transfer, ids: list[str]) -> None:
@@ -148,8 +150,8 @@ class TransferEngine:
         if t is not None:
             self.stop(t, spec.reason, tell_peer=True)
             return
-        if not self.fanout.cancel(spec):
-            self._records.cancel(spec)
+        if not self.fanout.cancel(spec) and self._records.fence(spec):
+            self.fanout.tell_every_rank(spec.peer, self._records.letting_go(spec))
 
     def await_decision(self, spec: AwaitSpec) -> None:
         """P, adaptive placement: the prefill leg of `spec` waits for D's word (placement_link.py)."""
@@ -215,10 +217,11 @@ class TransferEngine:
     def num_layers(self) -> int:
         return len(self._layout.layers)
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block summed over the layers."""
-        return sum(layer.block_bytes for layer in self._layout.layers)
+    def bytes_to_move(self, t: Transfer) -> int:
+        """Bytes `t`'s copies move, over every layer (only its heads, only blocks in the window)."""
+        if t.remote_block_ids is None:  # D WRITE: P's blocks are P's business; D's decide what lands
+            t = dataclasses.replace(t, remote_block_ids=t.local_block_ids)
+        return self._layout.bytes_moved(t.group_pairs(self._layout.group_windowed), t.slicing)
 
     def close(self) -> None:
         self._peers.close()
@@ -261,6 +264,8 @@ class TransferEngine:
         if t is not None:
             self.deliver(t, sender, message, received)
             return
+        if self.fanout.let_go_of_group(tid, message):
+            return
         self.placement.on_unknown(tid, message)
         self._records.on_message(tid, sender, message, received)
 
@@ -280,7 +285,7 @@ class TransferEngine:
     def submit(self, t: Transfer, peer: Peer, direction: Direction, layers) -> None:
         """Start copying `layers` of `t`'s block pairs with `peer`, bounded by `t.copies.not_after`."""
         try:
-            batch = self._layout.layer_ops(peer.layout, layers, t.block_pairs(), t.slicing)
+            batch = self._layout.layer_ops(peer.layout, layers, t.group_pairs(self._layout.group_windowed), t.slicing)
         except PDServeError as exc:
             self.stop(t, str(exc), tell_peer=True)
             return

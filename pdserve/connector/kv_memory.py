@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
+from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.connector.layout import KvLayout, LayerPlacement, cpu_isa
 from pdserve.errors import PDServeError
 from pdserve.transport.base import Transport
@@ -16,8 +17,9 @@ from pdserve.transport.shm_tensor import move_tensors_to_shared_memory
 
 
 class KvMemory:
-    def __init__(self, model_fingerprint: dict, token: str):
+    def __init__(self, model_fingerprint: dict, token: str, groups: KvGroups = ONE_GROUP):
         self._model_fingerprint = model_fingerprint
+        self._groups = groups
         self._token = token  # names this process's segments
         self.fingerprint: dict = {}
         self.layout: KvLayout | None = None
@@ -58,9 +60,11 @@ class KvMemory:
             "kv_layers": hashlib.sha256("|".join(kv_caches).encode()).hexdigest()[:16],
             "kv_layer_shapes": hashlib.sha256(shapes.encode()).hexdigest()[:16],
             "kv_regions": [layer.region_id for layer in layers],
+            "kv_groups": list(self._groups.described),
             "cpu_isa": cpu_isa(),
         }
-        self.layout = KvLayout(tuple(layers))
+        groups = tuple(self._groups.group_of(name) for name in kv_caches) if self._groups.num_groups > 1 else ()
+        self.layout = KvLayout(tuple(layers), groups, self._groups.windowed)
 
     def close(self) -> None:
         for segment in self._segments:

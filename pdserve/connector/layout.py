@@ -9,7 +9,7 @@ size, per-head layout and ISA. That agreement is the fingerprint, checked in the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -65,17 +65,38 @@ class LayerPlacement:
 @dataclass(frozen=True)
 class KvLayout:
     layers: tuple[LayerPlacement, ...]  # in model order; index = layer index
+    groups: tuple[int, ...] = ()  # the KV cache group of each layer (vLLM's hybrid KV cache manager); () = all 0
+    windowed: tuple[bool, ...] = ()  # per group: sliding-window (blocks that left the window are null)
 
-    def layer_ops(self, peer: KvLayout, layers, pairs: list[tuple[int, int]],
+    def group_of(self, index: int) -> int:
+        return self.groups[index] if self.groups else 0
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.groups, default=0) + 1
+
+    @property
+    def group_windowed(self) -> tuple[bool, ...]:
+        return self.windowed or (False,) * self.num_groups
+
+    def bytes_moved(self, pairs: Sequence[list[tuple[int, int]]], slicing: Slicing | None = None) -> int:
+        """Bytes `layer_ops` with these pairs copies over every layer."""
+        total = sum(layer.block_bytes * len(pairs[self.group_of(i)]) for i, layer in enumerate(self.layers))
+        return total if slicing is None else total * slicing.heads.count // slicing.local_heads
+
+    def layer_ops(self, peer: KvLayout, layers, pairs: Sequence[list[tuple[int, int]]],
                   slicing: Slicing | None = None) -> list[RegionOps]:
-        """Copy lists for `layers`, moving local block a to peer block b for each (a, b) pair.
+        """Copy lists for `layers`, moving local block a to peer block b for each (a, b) pair of
+        the layer's KV cache group (`pairs[group]`).
 
         With `slicing` (the two ranks hold different heads, ranks.py) only the shared heads' byte
         range of each block moves. Contiguous runs are
         merged into one copy per run. ProtocolError for a layer index either side lacks, layers
         placed differently (region, block or head size), or a block id outside 0..num_blocks-1 on
         its side (a negative id would reach into the layer before)."""
-        for pair in pairs:
+        if len(pairs) != self.num_groups:
+            raise ProtocolError(f"{len(pairs)} groups of block pairs for {self.num_groups} KV cache groups")
+        for pair in (pair for group in pairs for pair in group):
             if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in pair):
                 raise ProtocolError(f"block pair {pair!r:.60} holds a negative or non-integer block id")
         batch = []
@@ -86,7 +107,8 @@ class KvLayout:
             if mine.region_id != theirs.region_id:
                 raise ProtocolError(f"layer {index} lives in region {mine.region_id} here, {theirs.region_id} on the peer")
             span = _head_span(index, mine, theirs, slicing)
-            for block, other in pairs:
+            group = pairs[self.group_of(index)]
+            for block, other in group:
                 if block >= mine.num_blocks or other >= theirs.num_blocks:
                     raise ProtocolError(
                         f"block pair ({block}, {other}) out of range "
@@ -95,7 +117,7 @@ class KvLayout:
             ops = merge_contiguous(
                 CopyOp(mine.offset + a * mine.block_bytes + span.local, theirs.offset + b * theirs.block_bytes + span.peer,
                        span.length)
-                for a, b in pairs
+                for a, b in group
             )
             batch.append(RegionOps(mine.region_id, tuple(ops)))
         return batch

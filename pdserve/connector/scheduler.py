@@ -38,14 +38,14 @@ class PDScheduler:
     """Called by vLLM's scheduler; see vLLM's KVConnectorBase_V1 for when each hook runs."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048, chunk: int | None = None,
-                 set_chunk: Callable[[int], None] | None = None):
+                 set_chunk: Callable[[int], None] | None = None, num_groups: int = 1):
         self._config = config
         policy = make_policy(config.placement)
         self._decode_load = DecodeLoad(budget, config.placement.stream_itl_s, chunk=chunk)
         self._pacer = StepPacer(config, budget, policy, self._decode_load, set_chunk, lambda: self._meta)
         # D
         self._decode = (DecodeReceive(config, block_size, policy, self._decode_load, lambda: self._meta,
-                                      lambda: self._pacer.chunk_limit) if config.role is Role.CONSUMER else None)
+                                      lambda: self._pacer.chunk_limit, num_groups) if config.role is Role.CONSUMER else None)
         # P: where its legs' prompts are prefilled, and the legs that move their KV (WRITE) or hold it (READ)
         producer, write = config.role is Role.PRODUCER, config.mode is TransferMode.WRITE
         self._placement = PrefillPlacement(config, policy, self._pacer, lambda: self._meta) if producer else None
@@ -138,7 +138,8 @@ class PDScheduler:
             self._send.track(request)
 
     @guarded(lambda: (False, None))
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """`block_ids`: the request's blocks, one list per KV cache group (kv_groups.py)."""
         rid = request.request_id
         family = self._siblings.follower(rid)
         if family is not None:

@@ -23,6 +23,7 @@ mapping, and a different incarnation at the same address fails the transfer.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -32,6 +33,8 @@ from pdserve.connector.ranks import Slicing
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
 from pdserve.transport.base import TransferStatus
+
+NULL_BLOCK = 0  # vLLM's null block: where a sliding-window group holds no block
 
 
 class Side(Enum):
@@ -179,6 +182,30 @@ class Transfer:
                 f"remote_blocks={'yes' if self.remote_block_ids is not None else 'no'} "
                 f"layers ready={len(self.copies.layers_ready)} submitted={len(self.copies.layers_submitted)} "
                 f"copies={handles}")
+
+    def group_pairs(self, windowed: Sequence[bool] = (False,)) -> list[list[tuple[int, int]]]:
+        """Per KV cache group, the (local, remote) block pairs to move from `first_block` on. The
+        block lists hold one run of equal length per group, in group order. In a windowed group
+        (sliding window: vLLM puts its null block where a block left the window) a block D does
+        not need is skipped; one D needs that P no longer holds is an error."""
+        local, remote = self.local_block_ids, self.remote_block_ids or ()
+        if len(remote) != len(local) or len(remote) % len(windowed):
+            raise PDServeError(f"block counts differ: {len(local)} here, {len(remote)} on the peer "
+                               f"({len(windowed)} KV cache groups)")
+        n = len(remote) // len(windowed)
+        out = []
+        for g, skips in enumerate(windowed):
+            pairs = []
+            for i in range(g * n + self.first_block, (g + 1) * n):
+                decode, prefill = (local[i], remote[i]) if self.side is Side.RECV else (remote[i], local[i])
+                if skips and decode == NULL_BLOCK:
+                    continue
+                if skips and prefill == NULL_BLOCK:
+                    raise PDServeError(f"decode needs block {i - g * n} of KV cache group {g}, which prefill no longer "
+                                       "holds (it left the sliding window there)")
+                pairs.append((local[i], remote[i]))
+            out.append(pairs)
+        return out
 
     def block_pairs(self) -> list[tuple[int, int]]:
         """(local, remote) block pairs to move, from `first_block` on. Both sides must name the

@@ -21,6 +21,7 @@ from pdserve.connector.engine import Finished, TransferEngine
 from pdserve.connector.guard import guarded
 from pdserve.connector.idle_pump import IdlePump
 from pdserve.connector.incarnation import Incarnation
+from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.connector.kv_memory import KvMemory
 from pdserve.connector.layout import KvLayout, check_compatible
 from pdserve.connector.metadata import StepPlan
@@ -68,7 +69,7 @@ class StepFlags:
 
 
 class PDWorker:
-    def __init__(self, config: ConnectorConfig, model_fingerprint: dict):
+    def __init__(self, config: ConnectorConfig, model_fingerprint: dict, groups: KvGroups = ONE_GROUP):
         self._ranks = Ranks.from_wire(model_fingerprint.get("tp", SINGLE.to_wire()))
         self._heads_known = "tp" in model_fingerprint
         # rank r of an instance listens on its configured ports + r (ranks.py: rank_address)
@@ -84,7 +85,7 @@ class PDWorker:
         self._host_proof = HostProof(token)
         self._client = Client(Codec(load_secret(config.secret_file), self.identity))
         self._servers: list[Server] = []
-        self._kv = KvMemory(model_fingerprint, token)
+        self._kv = KvMemory(model_fingerprint, token, groups)
         self._engine: TransferEngine | None = None
         self._engine_lock = threading.Lock()  # the step's hooks and the idle pump take turns with the engine
         self._idle_pump: IdlePump | None = None

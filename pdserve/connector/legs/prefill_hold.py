@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role
+from pdserve.connector.kv_groups import flat_prompt_blocks
 from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import HoldSpec, StepPlan
 from pdserve.connector.prompt_digest import request_digest
@@ -36,8 +37,10 @@ class PrefillHold:
     def holding(self) -> bool:
         return bool(self._held)
 
-    def finished(self, request, block_ids: list[int], decision: Decision | None) -> tuple[bool, dict[str, Any] | None]:
-        """The request ended: whether P holds its blocks, and the kv_transfer_params it answers with."""
+    def finished(self, request, block_ids: tuple[list[int], ...], decision: Decision | None
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """The request ended (`block_ids`: one list per KV cache group): whether P holds its blocks,
+        and the kv_transfer_params it answers with."""
         rid = request.request_id
         try:
             params = parse_transfer_params(request.kv_transfer_params, rid, Role.PRODUCER)
@@ -49,9 +52,10 @@ class PrefillHold:
         if decision is not None and decision.placement is Placement.LOCAL:  # cut to one token: nothing held
             return False, build_transfer_params(params.transfer_id, self._config.engine_id, self._own, None, decision)
         num_blocks = math.ceil(request.num_prompt_tokens / self._block_size)
-        if len(block_ids) < num_blocks:
+        if any(len(group) < num_blocks for group in block_ids):
             return False, None
-        held = Held(tuple(block_ids[:num_blocks]), time.time() + self._config.defer_timeout, request_digest(request))
+        held = Held(flat_prompt_blocks(block_ids, num_blocks), time.time() + self._config.defer_timeout,
+                    request_digest(request))
         leg = Leg(request, params)
         leg.to(LegStatus.HELD)
         self._held[rid] = leg

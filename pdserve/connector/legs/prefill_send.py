@@ -12,6 +12,7 @@ import math
 from typing import Callable
 
 from pdserve.config import ConnectorConfig, Role
+from pdserve.connector.kv_groups import flat_prompt_blocks
 from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import CancelSpec, SendSpec, StepPlan
 from pdserve.connector.prompt_digest import request_digest
@@ -66,9 +67,9 @@ class PrefillSend:
                     request.num_computed_tokens + scheduled < request.num_prompt_tokens:
                 continue
             try:
-                block_ids = self._kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+                block_ids = self._kv_cache_manager.get_blocks(rid).get_block_ids()
                 send = SendSpec(rid, leg.params.transfer_id, leg.params.peer,
-                                tuple(block_ids[: math.ceil(request.num_prompt_tokens / self._block_size)]),
+                                flat_prompt_blocks(block_ids, math.ceil(request.num_prompt_tokens / self._block_size)),
                                 request_digest(request))
             except Exception as exc:  # noqa: BLE001 - this request's fault or not, the others' sends go on
                 (logger.error if isinstance(exc, ProtocolError) else logger.exception)(

@@ -29,7 +29,8 @@ class Engine(Protocol):
     binding: object  # binding.PeerBinding, which needs this module
     stats: TransferStats
     num_layers: int
-    block_bytes: int
+
+    def bytes_to_move(self, t: Transfer) -> int: ...
 
     def kind(self, t: Transfer) -> LegKind: ...
 

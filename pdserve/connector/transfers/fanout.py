@@ -20,9 +20,14 @@ from pdserve.connector.metadata import CancelSpec, RecvSpec, SendSpec
 from pdserve.connector.peers import Peer, PeerState, PeerTable
 from pdserve.connector.ranks import Ranks, Slicing, coverer, pairs_for, parse_sub_id, rank_address, sub_id
 from pdserve.connector.transfer import Side, Transfer, TransferState
+from pdserve.connector.transfers.write_send import RELEASED_BY_DECODE
 from pdserve.control.address import PeerAddress
+from pdserve.control.messages import Release, WriteDone
 
 logger = logging.getLogger("pdserve.connector")
+
+
+MAX_WAITING_WORDS = 4096  # letting-go messages waiting for a handshake (each answers within its deadline)
 
 
 @dataclass
@@ -52,6 +57,7 @@ class Fanout:
         self._peers = peers
         self._parked: list[Parked] = []
         self._groups: dict[str, Group] = {}  # transfer id -> its sub-transfers on this rank
+        self._letting_go: list[tuple[PeerAddress, object]] = []  # (instance, message) waiting for its size
 
     # ---- splitting -------------------------------------------------------------------------
 
@@ -71,7 +77,12 @@ class Fanout:
             self._split(spec, size, step, now)
 
     def on_peer(self, peer: Peer) -> None:
-        """A handshake ended: split what waited for that instance's size."""
+        """A handshake ended: split what waited for that instance's size, tell its ranks what waited."""
+        waiting_words = [(base, message) for base, message in self._letting_go if base == peer.address]
+        if waiting_words:
+            self._letting_go = [(base, message) for base, message in self._letting_go if base != peer.address]
+            for base, message in waiting_words:
+                self.tell_every_rank(base, message)
         waiting = [p for p in self._parked if p.spec.peer == peer.address]
         if waiting:
             self._parked = [p for p in self._parked if p.spec.peer != peer.address]
@@ -157,6 +168,29 @@ class Fanout:
     def _end(self, transfer_id: str) -> None:
         group = self._groups.pop(transfer_id)
         self._engine.group_ended(group.request_id, group.side, group.failed)
+
+    def tell_every_rank(self, base: PeerAddress, message) -> None:
+        """Send a letting-go message under a transfer's own id to every rank of the peer instance
+        (once its size is known: a handshake with its rank 0 may have to answer first)."""
+        size = self._peer_size(base)
+        if size is None:
+            self._letting_go = [*self._letting_go[-MAX_WAITING_WORDS + 1:], (base, message)]
+            return
+        for rank in range(size):
+            self._engine.messenger.send(rank_address(base, rank), message)
+
+    def let_go_of_group(self, transfer_id: str, message) -> bool:
+        """A peer rank let go (Release, or WriteDone not ok) of a transfer under its own id, which
+        this rank runs as sub-transfers: stop them all (each tells its own peer rank)."""
+        if transfer_id not in self._groups or not isinstance(message, (Release, WriteDone)) or \
+                (isinstance(message, WriteDone) and message.ok):
+            return False
+        reason = RELEASED_BY_DECODE if isinstance(message, Release) else \
+            f"prefill could not deliver the KV: {message.error}"
+        for t in self._engine.running():
+            if t.group == transfer_id:
+                self._engine.stop(t, reason, tell_peer=True)
+        return True
 
     def cancel(self, spec: CancelSpec) -> bool:
         """Stop every sub-transfer of `spec`'s transfer (or drop it parked); False if none is known."""

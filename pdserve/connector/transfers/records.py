@@ -53,15 +53,25 @@ class TransferRecords:
         """D's `RemoteBlocks` for `tid` came before its transfer."""
         return any(isinstance(item.message, RemoteBlocks) for item in self.early.get(tid, ()))
 
-    def cancel(self, spec: CancelSpec) -> None:
-        """The scheduler cancelled a transfer the engine does not run: fence the id, tell the peer."""
+    def fence(self, spec: CancelSpec) -> bool:
+        """The scheduler cancelled a transfer the engine does not run: fence its id (a leg that
+        comes later never runs); False when it was fenced already."""
         if spec.transfer_id in self.terminal:
-            return
+            return False
         producer = self._config.role is Role.PRODUCER
         self.remember_terminal(spec.transfer_id, spec.peer if producer else None)
         self.take_early(spec.transfer_id)
-        self._messenger.send(spec.peer, WriteDone(spec.transfer_id, False, spec.reason) if producer
-                             else self._messenger.release(spec.transfer_id))
+        return True
+
+    def letting_go(self, spec: CancelSpec):
+        """What tells the peer's ranks to let go of `spec`'s transfer, under its own id."""
+        if self._config.role is Role.PRODUCER:
+            return WriteDone(spec.transfer_id, False, spec.reason)
+        return self._messenger.release(spec.transfer_id)
+
+    def fenced_subs(self, tid: str) -> list[str]:
+        """Sub-transfer ids of `tid` (ranks.py) a peer let go of before it came."""
+        return [name for name in self.terminal if name.startswith(f"{tid}#")]
 
     def on_message(self, tid: str, sender: str, message, received: float) -> None:
         """A message for a transfer we do not run (yet, or any more)."""

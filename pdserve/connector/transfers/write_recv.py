@@ -77,7 +77,7 @@ class WriteRecv(LegKind):
         if message.ok and t.window is None:
             t.fail("prefill confirmed a write of blocks decode never announced")
         elif message.ok and not t.stopping and message.prompt_hash == t.prompt_hash:
-            t.copies.num_bytes = (len(t.local_block_ids) - t.first_block) * self.engine.block_bytes
+            t.copies.num_bytes = self.engine.bytes_to_move(t)
             t.succeed()
         elif message.ok and not t.stopping:
             t.fail("prefill delivered the KV of a different prompt (prompt digests differ)")

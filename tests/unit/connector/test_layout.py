@@ -13,30 +13,30 @@ THEIRS = KvLayout((LayerPlacement(0, 192, 64, 10), LayerPlacement(0, 1024, 64, 1
 
 
 def test_contiguous_pairs_merge_into_one_copy_per_run():
-    [layer0] = MINE.layer_ops(THEIRS, [0], [(1, 4), (2, 5), (3, 6), (6, 0)])
+    [layer0] = MINE.layer_ops(THEIRS, [0], [[(1, 4), (2, 5), (3, 6), (6, 0)]])
     assert layer0 == RegionOps(0, (CopyOp(64, 192 + 4 * 64, 3 * 64), CopyOp(6 * 64, 192, 64)))
 
 
 def test_runs_contiguous_on_one_side_only_stay_separate():
-    [ops] = MINE.layer_ops(THEIRS, [0], [(1, 4), (2, 6)])
+    [ops] = MINE.layer_ops(THEIRS, [0], [[(1, 4), (2, 6)]])
     assert len(ops.ops) == 2
 
 
 def test_each_layer_uses_its_own_placement_and_region_in_layer_order():
-    batch = MINE.layer_ops(THEIRS, {1, 0}, [(0, 1)])
+    batch = MINE.layer_ops(THEIRS, {1, 0}, [[(0, 1)]])
     assert batch == [RegionOps(0, (CopyOp(0, 256, 64),)), RegionOps(0, (CopyOp(512, 1088, 64),))]
-    assert [r.region_id for r in MINE.layer_ops(THEIRS, [0, 1], [(0, 1)])] == [0, 0]
+    assert [r.region_id for r in MINE.layer_ops(THEIRS, [0, 1], [[(0, 1)]])] == [0, 0]
 
 
 @pytest.mark.parametrize("pair", [(8, 0), (0, 10), (100, 100)])
 def test_out_of_range_blocks_are_rejected_naming_the_pair(pair):
     with pytest.raises(ProtocolError) as info:
-        MINE.layer_ops(THEIRS, [0], [(0, 0), pair])
+        MINE.layer_ops(THEIRS, [0], [[(0, 0), pair]])
     assert str(pair) in str(info.value)
 
 
 def test_no_pairs_means_no_bytes():
-    assert all(not r.ops for r in MINE.layer_ops(THEIRS, [0, 1], []))
+    assert all(not r.ops for r in MINE.layer_ops(THEIRS, [0, 1], [[]]))
 
 
 def test_wire_round_trip_and_rejects():
@@ -65,21 +65,21 @@ def test_check_compatible_accepts_equal_fingerprints():
 def test_negative_or_non_integer_block_ids_are_rejected(pair):
     """Block -1 of layer 1 is the last block of layer 0: a lower bound matters as much as an upper."""
     with pytest.raises(ProtocolError) as info:
-        MINE.layer_ops(THEIRS, [1], [(0, 0), pair])
+        MINE.layer_ops(THEIRS, [1], [[(0, 0), pair]])
     assert "block pair" in str(info.value)
 
 
 def test_layer_indexes_either_side_lacks_are_rejected():
     with pytest.raises(ProtocolError, match="layer 2 out of range"):
-        MINE.layer_ops(THEIRS, [2], [(0, 0)])
+        MINE.layer_ops(THEIRS, [2], [[(0, 0)]])
     with pytest.raises(ProtocolError, match="layer -1 out of range"):
-        MINE.layer_ops(THEIRS, [-1], [(0, 0)])
+        MINE.layer_ops(THEIRS, [-1], [[(0, 0)]])
 
 
 def test_layers_with_different_block_sizes_are_rejected():
     peer = KvLayout((LayerPlacement(0, 0, 32, 8), LayerPlacement(0, 512, 64, 8)))
     with pytest.raises(ProtocolError, match="layer 0 has 64-byte blocks here, 32 on the peer"):
-        MINE.layer_ops(peer, [0], [(0, 0)])
+        MINE.layer_ops(peer, [0], [[(0, 0)]])
 
 
 @pytest.mark.parametrize(

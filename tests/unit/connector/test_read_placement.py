@@ -48,7 +48,7 @@ def test_p_holds_the_kv_of_a_leg_it_prefills_and_names_its_placement():
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     request.num_computed_tokens = 40
     request.status = request.status.FINISHED_LENGTH_CAPPED
-    held, params = s.scheduler.request_finished(request, [7, 8, 9])
+    held, params = s.scheduler.request_finished(request, ([7, 8, 9],))
     assert held and params["remote_block_ids"] == [7, 8, 9] and params["placement"] == "remote:warming_up"
     assert parse_transfer_params(params, ROUTER_ID, Role.CONSUMER).decision == \
         Decision(Placement.REMOTE, Reason.WARMING_UP)
@@ -72,7 +72,7 @@ def test_p_cuts_a_leg_it_leaves_to_d_and_answers_without_blocks():
     assert s.scheduler.get_num_new_matched_tokens(backlog, 0) == (0, False)  # next pass: its turn
     leg.num_computed_tokens = 1
     leg.status = leg.status.FINISHED_LENGTH_CAPPED
-    held, params = s.scheduler.request_finished(leg, [3])
+    held, params = s.scheduler.request_finished(leg, ([3],))
     assert not held and "remote_block_ids" not in params  # nothing held: no block to read
     decoded = parse_transfer_params(params, ROUTER_ID, Role.CONSUMER)
     assert decoded.local and decoded.decision == Decision(Placement.LOCAL, Reason.LOCAL_FASTER)
@@ -90,7 +90,7 @@ def test_a_leg_that_cannot_be_cut_is_prefilled_on_p():
     assert leg.num_prompt_tokens == 100
     leg.num_computed_tokens = 100
     leg.status = leg.status.FINISHED_LENGTH_CAPPED
-    held, params = s.scheduler.request_finished(leg, list(range(7)))
+    held, params = s.scheduler.request_finished(leg, (list(range(7)),))
     assert held and params["placement"] == "remote:local_faster" and len(params["remote_block_ids"]) == 7
 
 
@@ -110,14 +110,14 @@ def test_d_prefills_what_p_left_to_it_and_reports_taking_it():
     # no read, and no release either: P holds nothing of it
     assert meta.recvs == [] and meta.cancels == [] and meta.placements == ["local:local_faster"]
     assert meta.status.placed_local == {P_KEY: 1} and meta.status.local_backlog_tokens == 100
-    assert s.scheduler.request_finished(request, []) == (False, None)
+    assert s.scheduler.request_finished(request, ([],)) == (False, None)
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).cancels == []
 
 
 def test_a_request_p_left_to_d_that_ends_before_d_took_it_releases_nothing():
     s = read_adaptive("kv_consumer")
     request = FakeRequest(ROUTER_ID, local_params(), 100)
-    assert s.scheduler.request_finished(request, []) == (False, None)  # aborted while waiting
+    assert s.scheduler.request_finished(request, ([],)) == (False, None)  # aborted while waiting
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).cancels == []
 
 

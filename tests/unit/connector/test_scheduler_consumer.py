@@ -43,7 +43,7 @@ def test_local_requests_get_nothing_and_emit_nothing(params):
     request = FakeRequest(ROUTER_ID, params, 40)
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 0)
-    assert s.scheduler.request_finished(request, [1, 2, 3]) == (False, None)
+    assert s.scheduler.request_finished(request, ([1, 2, 3],)) == (False, None)
     meta = meta_of(s)
     assert (meta.recvs, meta.cancels) == ([], [])
 
@@ -61,7 +61,7 @@ def test_allocation_emits_exactly_one_recv_skipping_the_local_prefix(computed, f
     assert s.scheduler.get_num_new_matched_tokens(request, computed) == (0, False), \
         "a request already receiving must not be promised a second load"
     s.scheduler.update_connector_output(ConnectorOutput(finished_recving={ROUTER_ID}))
-    assert s.scheduler.request_finished(request, [8, 1, 5, 2]) == (False, None)
+    assert s.scheduler.request_finished(request, ([8, 1, 5, 2],)) == (False, None)
     assert meta_of(s).cancels == [], "a transfer that is over needs no cancel"
 
 
@@ -74,7 +74,7 @@ def test_request_aborted_while_receiving_cancels_the_transfer_once():
     s.scheduler.update_state_after_alloc(request, FakeBlocks([8, 1, 5]), count)
     assert len(meta_of(s).recvs) == 1
     request.status = RequestStatus.FINISHED_ABORTED
-    assert s.scheduler.request_finished(request, [8, 1, 5]) == (False, None)
+    assert s.scheduler.request_finished(request, ([8, 1, 5],)) == (False, None)
     [cancel] = meta_of(s).cancels
     assert (cancel.transfer_id, cancel.peer) == ("tx-1", P_ADDRESS) and "on the way" in cancel.reason
     assert meta_of(s).cancels == []
@@ -116,7 +116,7 @@ def test_read_params_for_another_prompt_fail_the_request_instead_of_reading(para
     assert field in recv.error and recv.peer is None and recv.remote_block_ids is None
     [cancel] = meta.cancels
     assert (cancel.transfer_id, cancel.peer) == ("tx-1", P_ADDRESS) and field in cancel.reason
-    assert s.scheduler.request_finished(request, [1, 2, 3]) == (False, None)
+    assert s.scheduler.request_finished(request, ([1, 2, 3],)) == (False, None)
     assert meta_of(s).cancels == [], "released twice"
 
 
@@ -129,7 +129,7 @@ def test_zero_external_tokens_cancels_the_transfer():
     assert meta.recvs == []
     [cancel] = meta.cancels
     assert (cancel.transfer_id, cancel.peer) == ("tx-1", P_ADDRESS) and cancel.reason
-    assert s.scheduler.request_finished(request, [1, 2, 3]) == (False, None)
+    assert s.scheduler.request_finished(request, ([1, 2, 3],)) == (False, None)
     assert meta_of(s).cancels == [], "cancelled twice"
 
 
@@ -139,7 +139,7 @@ def test_request_aborted_before_it_was_ever_scheduled_releases_p():
     for mode, params in ((WRITE, consumer_params()), (READ, read_params())):
         s = make_scheduler("kv_consumer", mode)
         request = FakeRequest(ROUTER_ID, params, 40, status=RequestStatus.FINISHED_ABORTED)
-        assert s.scheduler.request_finished(request, []) == (False, None)
+        assert s.scheduler.request_finished(request, ([],)) == (False, None)
         [cancel] = meta_of(s).cancels
         assert (cancel.transfer_id, cancel.peer) == ("tx-1", P_ADDRESS) and cancel.reason, mode
         assert meta_of(s).recvs == [] and meta_of(s).cancels == []
@@ -148,7 +148,7 @@ def test_request_aborted_before_it_was_ever_scheduled_releases_p():
 def test_request_aborted_before_scheduling_with_malformed_params_cancels_nothing_and_never_raises():
     s = make_scheduler("kv_consumer", WRITE)
     request = FakeRequest(ROUTER_ID, consumer_params(transfer_id=""), 40, status=RequestStatus.FINISHED_ABORTED)
-    assert s.scheduler.request_finished(request, []) == (False, None)
+    assert s.scheduler.request_finished(request, ([],)) == (False, None)
     assert meta_of(s).cancels == []
 
 
@@ -156,7 +156,7 @@ def test_request_finished_before_allocation_cancels():
     s = make_scheduler("kv_consumer", WRITE)
     request = FakeRequest(ROUTER_ID, consumer_params(), 40)
     s.scheduler.get_num_new_matched_tokens(request, 0)
-    assert s.scheduler.request_finished(request, []) == (False, None)
+    assert s.scheduler.request_finished(request, ([],)) == (False, None)
     [cancel] = meta_of(s).cancels
     assert cancel == CancelSpec("tx-1", P_ADDRESS, cancel.reason) and cancel.reason
     assert meta_of(s).cancels == []
@@ -181,7 +181,7 @@ def test_malformed_params_fail_the_request_with_a_message_instead_of_raising(mod
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), count)
     [recv] = meta_of(s).recvs
     assert recv.request_id == request_id and field in recv.error
-    assert s.scheduler.request_finished(request, [1, 2, 3]) == (False, None)
+    assert s.scheduler.request_finished(request, ([1, 2, 3],)) == (False, None)
 
 
 def test_producer_params_on_the_consumer_are_ignored():

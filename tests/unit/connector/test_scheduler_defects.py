@@ -106,7 +106,7 @@ def test_read_holds_and_accepts_a_prompt_given_as_embeddings():
     p = make_scheduler("kv_producer", READ)
     leg = embeds_request(ROUTER_ID, producer_params())
     leg.status, leg.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 40
-    held, answer = p.scheduler.request_finished(leg, [7, 8, 9])
+    held, answer = p.scheduler.request_finished(leg, ([7, 8, 9],))
     assert held and answer["prompt_hash"] == embeds_digest(leg.prompt_embeds)
     d = make_scheduler("kv_consumer", READ)
     request = embeds_request(ROUTER_ID, {**answer, "do_remote_prefill": True})
@@ -156,7 +156,7 @@ def test_p_write_sends_the_kv_of_n_children_once():
     assert [(send.request_id, send.transfer_id) for send in meta.sends] == [(legs[0].request_id, "tx-1")]
     for leg in legs[1:]:
         leg.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        assert s.scheduler.request_finished(leg, [4]) == (False, None)
+        assert s.scheduler.request_finished(leg, ([4],)) == (False, None)
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).cancels == [], "a follower cancelled the transfer"
 
 
@@ -181,12 +181,12 @@ def test_p_read_holds_once_and_every_child_answers_with_the_held_blocks():
     assert s.scheduler.get_num_new_matched_tokens(legs[0], 0) == (0, False)
     assert s.scheduler.get_num_new_matched_tokens(legs[1], 0) == (None, False), "answers before its leader"
     legs[0].status, legs[0].num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 40
-    held, answer = s.scheduler.request_finished(legs[0], [7, 8, 9])
+    held, answer = s.scheduler.request_finished(legs[0], ([7, 8, 9],))
     assert held and answer["remote_block_ids"] == [7, 8, 9]
     for leg in legs[1:]:
         assert s.scheduler.get_num_new_matched_tokens(leg, 0) == (0, False)
         leg.status, leg.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 1
-        assert s.scheduler.request_finished(leg, [4]) == (False, answer)
+        assert s.scheduler.request_finished(leg, ([4],)) == (False, answer)
     assert len(s.scheduler.build_connector_meta(SchedulerOutput({})).holds) == 1
 
 
@@ -196,13 +196,13 @@ def test_p_read_child_first_seen_after_its_leader_ended_answers_with_the_held_bl
     leader, late = children(producer_params(), n=2)
     assert s.scheduler.get_num_new_matched_tokens(leader, 0) == (0, False)
     leader.status, leader.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 40
-    held, answer = s.scheduler.request_finished(leader, [7, 8, 9])
+    held, answer = s.scheduler.request_finished(leader, ([7, 8, 9],))
     assert held
     assert s.scheduler.get_num_new_matched_tokens(late, 0) == (None, False), "cut to one token first"
     assert late.num_prompt_tokens == 1
     assert s.scheduler.get_num_new_matched_tokens(late, 0) == (0, False)
     late.status, late.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 1
-    assert s.scheduler.request_finished(late, [4]) == (False, answer)
+    assert s.scheduler.request_finished(late, ([4],)) == (False, answer)
     assert len(s.scheduler.build_connector_meta(SchedulerOutput({})).holds) == 1
 
 
@@ -221,7 +221,7 @@ def test_d_receives_the_kv_of_n_children_once_and_serves_the_others_from_it():
         assert s.scheduler.get_num_new_matched_tokens(leg, 0) == (0, False)
         allocate(s, leg, [1, 2, block])
         leg.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        s.scheduler.request_finished(leg, [1, 2, block])
+        s.scheduler.request_finished(leg, ([1, 2, block],))
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).cancels == [], "a follower cancelled the transfer"
 
 
@@ -245,7 +245,7 @@ def test_d_followers_of_a_leader_that_ended_without_its_kv_compute_for_themselve
         s.scheduler.on_new_request(leg)
     s.scheduler.get_num_new_matched_tokens(legs[0], 0)
     legs[0].status = RequestStatus.FINISHED_ABORTED
-    s.scheduler.request_finished(legs[0], [])
+    s.scheduler.request_finished(legs[0], ([],))
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     assert meta.cancels == [CancelSpec("tx-1", meta.cancels[0].peer, meta.cancels[0].reason)]
     assert meta.cancels[0].peer != D_ADDRESS

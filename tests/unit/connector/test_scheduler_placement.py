@@ -76,7 +76,7 @@ def test_p_cuts_a_leg_d_prefills_itself_to_one_token():
     s.scheduler.update_state_after_alloc(request, FakeBlocks([5]), 0)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({ROUTER_ID: 1}))
     assert meta.sends == [] and meta.cancels == []
-    assert s.scheduler.request_finished(request, [5]) == (False, None)  # nothing held
+    assert s.scheduler.request_finished(request, ([5],)) == (False, None)  # nothing held
 
 
 def test_a_leg_that_cannot_be_cut_is_prefilled_after_all():
@@ -222,7 +222,7 @@ def test_a_prompt_waiting_its_turn_that_ends_releases_nothing_twice():
     s = adaptive("kv_consumer")
     first, second = _take_two_local(s, 40)
     assert len(s.scheduler.build_connector_meta(SchedulerOutput({})).cancels) == 2
-    assert s.scheduler.request_finished(second, []) == (False, None)  # the client gave up while it waited
+    assert s.scheduler.request_finished(second, ([],)) == (False, None)  # the client gave up while it waited
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     assert meta.cancels == [] and meta.placements == []
     assert s.scheduler._decode_load.view(None).local_backlog_tokens == 40

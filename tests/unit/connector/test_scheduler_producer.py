@@ -43,7 +43,7 @@ def test_write_emits_one_send_in_the_step_that_completes_the_prompt(prompt, chun
                                   request.prompt_hash)]
     assert run_step(s, request, 1).sends == [] and run_step(s, request, 1).sends == []
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    assert s.scheduler.request_finished(request, [7, 3, 9, 12]) == (True, None)
+    assert s.scheduler.request_finished(request, ([7, 3, 9, 12],)) == (True, None)
     assert s.scheduler.has_pending_push_work()
     s.scheduler.update_connector_output(ConnectorOutput(finished_sending=set()))
     assert s.scheduler.has_pending_push_work()
@@ -68,7 +68,7 @@ def test_write_request_ending_before_its_prompt_completed_cancels():
     s.scheduler.update_state_after_alloc(request, FakeBlocks([]), 0)
     run_step(s, request, 16)
     request.status = RequestStatus.FINISHED_ABORTED
-    assert s.scheduler.request_finished(request, [1, 2, 3]) == (False, None)
+    assert s.scheduler.request_finished(request, ([1, 2, 3],)) == (False, None)
     assert s.scheduler.has_pending_push_work(), "the cancel must get out"
     meta = run_step(s, request, 0)
     assert meta.sends == [] and meta.idle
@@ -86,7 +86,7 @@ def test_requests_without_remote_decode_are_left_alone(params):
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1]), 0)
     meta = run_step(s, request, 16)
     assert (meta.sends, meta.cancels, meta.holds) == ([], [], [])
-    assert s.scheduler.request_finished(request, [1]) == (False, None)
+    assert s.scheduler.request_finished(request, ([1],)) == (False, None)
     assert not s.scheduler.has_pending_push_work()
 
 
@@ -101,7 +101,7 @@ def test_write_with_malformed_params_prefills_without_transfer_and_never_raises(
     s.kv.blocks[request_id] = [1]
     s.scheduler.update_state_after_alloc(request, FakeBlocks([]), 0)
     assert run_step(s, request, 16).sends == []
-    assert s.scheduler.request_finished(request, [1]) == (False, None)
+    assert s.scheduler.request_finished(request, ([1],)) == (False, None)
 
 
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED])
@@ -114,7 +114,7 @@ def test_read_holds_fully_prefilled_requests_and_returns_params_d_can_parse(stat
     assert run_step(s, request, 40).sends == [], "READ never pushes"
     request.status = status
     before = time.time()
-    delay_free, params = s.scheduler.request_finished(request, [4, 5, 6])
+    delay_free, params = s.scheduler.request_finished(request, ([4, 5, 6],))
     assert delay_free is True
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_block_ids"] == [4, 5, 6] and params["transfer_id"] == "tx-1"
@@ -142,7 +142,7 @@ def test_read_holds_fully_prefilled_requests_and_returns_params_d_can_parse(stat
 def test_read_does_not_hold_requests_without_a_complete_prefill(status, computed):
     s = make_scheduler("kv_producer", READ)
     request = FakeRequest(ROUTER_ID, producer_params(), 40, num_computed_tokens=computed, status=status)
-    assert s.scheduler.request_finished(request, [4, 5, 6]) == (False, None)
+    assert s.scheduler.request_finished(request, ([4, 5, 6],)) == (False, None)
     assert run_step(s, request, 0).holds == []
     assert not s.scheduler.has_pending_push_work()
 
@@ -153,7 +153,7 @@ def test_read_without_blocks_or_params_holds_nothing():
     assert s.scheduler.request_finished(FakeRequest(ROUTER_ID, producer_params(), 40, status=capped), []) == (False, None)
     assert s.scheduler.request_finished(FakeRequest(ROUTER_ID, None, 40, status=capped), [1]) == (False, None)
     bad = FakeRequest(ROUTER_ID, producer_params(transfer_id=""), 40, status=capped)
-    assert s.scheduler.request_finished(bad, [1]) == (False, None)
+    assert s.scheduler.request_finished(bad, ([1],)) == (False, None)
     assert run_step(s, bad, 0).holds == []
 
 
@@ -185,7 +185,7 @@ def test_preempted_request_whose_send_was_planned_cancels_it_stays_held_and_is_n
     assert [m.sends for m in steps] == [[], []], "a second send of a cancelled transfer"
     assert [m.cancels for m in steps] == [[], []], "cancelled twice"
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    assert s.scheduler.request_finished(request, [11, 12, 13]) == (True, None), \
+    assert s.scheduler.request_finished(request, ([11, 12, 13],)) == (True, None), \
         "the worker reports the cancelled send as finished_sending: vLLM must still hold the request"
     assert s.scheduler.has_pending_push_work()
     s.scheduler.update_connector_output(ConnectorOutput(finished_sending={ROUTER_ID}))

@@ -55,8 +55,8 @@ def test_both_legs_on_p_the_decode_leg_is_served_whole_and_the_prefill_leg_dropp
         s.scheduler.update_state_after_alloc(request, FakeBlocks(blocks), 0)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({prefill_leg.request_id: 1, decode_leg.request_id: 100}))
     assert meta.sends == [] and meta.cancels == []  # P never pushes KV to itself
-    assert s.scheduler.request_finished(prefill_leg, [3]) == (False, None)
-    assert s.scheduler.request_finished(decode_leg, [4, 5]) == (False, None)
+    assert s.scheduler.request_finished(prefill_leg, ([3],)) == (False, None)
+    assert s.scheduler.request_finished(decode_leg, ([4, 5],)) == (False, None)
     assert not s.scheduler.has_pending_push_work()
 
 
@@ -171,7 +171,7 @@ def test_p_with_streams_computes_one_prompt_at_a_time():
     first.num_computed_tokens = 200  # its prompt is computed
     assert s.scheduler.get_num_new_matched_tokens(second, 0) == (0, False)
     third = VllmLikeRequest(SELF_ID + "-d3", consumer_params(), 200)
-    s.scheduler.request_finished(second, [])  # aborted before its prompt was computed: its turn ends
+    s.scheduler.request_finished(second, ([],))  # aborted before its prompt was computed: its turn ends
     assert s.scheduler.get_num_new_matched_tokens(third, 0) == (0, False)
 
 

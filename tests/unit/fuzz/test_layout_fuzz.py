@@ -155,7 +155,7 @@ def test_copies_never_leave_the_layer_they_are_for(mine_layers, their_layers, la
     placement of its own layer, on both sides, or the batch is refused."""
     mine, theirs = _layout(mine_layers), _layout(their_layers)
     try:
-        batch = mine.layer_ops(theirs, layers, pairs)
+        batch = mine.layer_ops(theirs, layers, [pairs])
     except ProtocolError:
         event("refused")
         return
