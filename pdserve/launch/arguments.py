@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from pdserve.errors import ConfigError
-from pdserve.launch.options import parse_bytes
+from pdserve.launch.options import MAX_TP, parse_bytes
 from pdserve.slo import SLO
 
 MIN_KV_CACHE_BYTES = 16 << 20
@@ -81,6 +81,10 @@ def instance_count(text: str) -> int:
     from pdserve.launch.options import MAX_INSTANCES_PER_ROLE
 
     return _integer(text, 1, MAX_INSTANCES_PER_ROLE, f"a number of instances in 1..{MAX_INSTANCES_PER_ROLE}")
+
+
+def tensor_parallel_size(text: str) -> int:
+    return _integer(text, 1, MAX_TP, f"a tensor-parallel size in 1..{MAX_TP}")
 
 
 def _number(text: str, positive: bool, rule: str) -> float:

@@ -58,7 +58,8 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=arg.port, default=DEFAULT_PORT, metavar="PORT",
                    help="the OpenAI endpoint's port; instances and router use the next ones")
     p.add_argument("--kv-cache", type=arg.memory_size, default="1GiB", metavar="SIZE",
-                   help="KV cache size per instance, with a binary unit (e.g. 1GiB, 512MiB)")
+                   help="KV cache size per instance (divided among its tensor-parallel ranks), with a binary "
+                        "unit (e.g. 1GiB, 512MiB)")
     p.add_argument("--max-model-len", type=arg.token_count, default=4096, metavar="TOKENS",
                    help="longest prompt plus output, in tokens (vLLM's --max-model-len)")
     p.add_argument("--no-prefix-caching", action="store_true", help="pass --no-enable-prefix-caching to vLLM")
@@ -78,6 +79,11 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
                         "are divided among all instances")
     p.add_argument("--decode", type=arg.instance_count, default=1, metavar="M", dest="num_decode",
                    help="decode instances in PD modes; the router pairs any prefill with any decode per request")
+    p.add_argument("--prefill-tp", type=arg.tensor_parallel_size, default=1, metavar="N",
+                   help="tensor-parallel size of each prefill instance in PD modes: its N ranks take N consecutive "
+                        "handshake and notify ports and, where there are enough cores, a core of their own each")
+    p.add_argument("--decode-tp", type=arg.tensor_parallel_size, default=1, metavar="M",
+                   help="tensor-parallel size of each decode instance in PD modes (as --prefill-tp)")
     p.add_argument("--prefill-budget", type=arg.token_count, metavar="TOKENS",
                    help="--max-num-batched-tokens of the prefill instance(s) in PD modes (default: vLLM's)")
     p.add_argument("--decode-budget", type=arg.token_count, metavar="TOKENS",
@@ -118,7 +124,8 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      drain_timeout=args.drain_timeout, prefill_budget=args.prefill_budget,
                      decode_budget=args.decode_budget, itl_target_ms=args.itl_target_ms,
                      max_step_ms=args.max_step_ms, slo=args.slo, serve_decode=args.prefill_serves_decode,
-                     num_prefill=args.num_prefill, num_decode=args.num_decode)
+                     num_prefill=args.num_prefill, num_decode=args.num_decode, prefill_tp=args.prefill_tp,
+                     decode_tp=args.decode_tp)
 
 
 def checked_options(args: argparse.Namespace) -> UpOptions:
@@ -137,9 +144,9 @@ def with_run_dir(options: UpOptions) -> UpOptions:
 
 
 def instance_lines(deployment: Deployment) -> list[str]:
-    """What `up` prints about each instance: name, URL, role and cores."""
-    return [f"  instance {spec.name}: {spec.url} ({spec.role}, cores {','.join(map(str, spec.cores))})"
-            for spec in deployment.instances]
+    """What `up` prints about each instance: name, URL, role, tensor-parallel size and cores ('|' between ranks)."""
+    return [f"  instance {spec.name}: {spec.url} ({spec.role}, {f'tp {spec.tp}, ' if spec.tp > 1 else ''}"
+            f"cores {spec.cpu_binding})" for spec in deployment.instances]
 
 
 class _Terminated(Exception):

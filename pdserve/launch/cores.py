@@ -1,4 +1,4 @@
-"""Dividing a launch's CPU cores among its prefill and decode instances."""
+"""Dividing a launch's CPU cores among its prefill and decode instances and their tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 
 class CorePlan(NamedTuple):
-    """Cores per prefill instance and per decode instance; `shared` when some instances share a
-    core (fewer cores than instances)."""
+    """Cores per prefill instance and per decode instance (every core its ranks use; omp_threads_bind
+    says which rank takes which); `shared` when some ranks share a core (fewer cores than ranks)."""
 
     prefill: tuple[tuple[int, ...], ...]
     decode: tuple[tuple[int, ...], ...]
@@ -28,25 +28,46 @@ def split(cores: tuple[int, ...], num_parts: int) -> tuple[tuple[int, ...], ...]
     return tuple(groups)
 
 
-def divide_cores(cores: tuple[int, ...], num_prefill: int, num_decode: int) -> CorePlan:
-    """Every instance its own cores where there are enough (all cores used, near-equal shares).
-    Otherwise prefill and decode keep separate cores while there are at least two (split in
-    proportion to their numbers), and instances of one role share theirs."""
-    total = num_prefill + num_decode
-    if len(cores) >= total:
-        groups = split(cores, total)
-        return CorePlan(groups[:num_prefill], groups[num_prefill:])
-    if len(cores) >= 2:
-        num_prefill_cores = min(len(cores) - 1, max(1, round(len(cores) * num_prefill / total)))
-        prefill = split(cores[:num_prefill_cores], num_prefill)
-        decode = split(cores[num_prefill_cores:], num_decode)
+def omp_threads_bind(cores: tuple[int, ...], tp: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for an instance of `tp` ranks on `cores`: each rank's cores,
+    ranks separated by '|' (vllm/utils/ompmultiprocessing.py), e.g. '0|1' for two ranks on cores 0
+    and 1. Each rank has cores of its own where the instance has `tp` cores or more, else they take
+    them round-robin."""
+    return "|".join(",".join(map(str, group)) for group in split(cores, tp))
+
+
+def divide_cores(cores: tuple[int, ...], num_prefill: int, num_decode: int, prefill_tp: int = 1,
+                 decode_tp: int = 1) -> CorePlan:
+    """Every rank its own cores where there are enough (all cores used, near-equal shares).
+    Otherwise prefill and decode keep separate cores while the cores suffice for one instance of
+    each to have a core per rank (split in proportion to their numbers of ranks), and the instances
+    of one role share theirs; with fewer still, the ranks take all cores round-robin."""
+    num_prefill_ranks, num_decode_ranks = num_prefill * prefill_tp, num_decode * decode_tp
+    total = num_prefill_ranks + num_decode_ranks
+    if len(cores) >= total or len(cores) < prefill_tp + decode_tp:
+        ranks = split(cores, total)
+        prefill, decode = ranks[:num_prefill_ranks], ranks[num_prefill_ranks:]
     else:
-        prefill, decode = split(cores, num_prefill), split(cores, num_decode)
-    return CorePlan(prefill, decode, shared=True)
+        num_prefill_cores = min(len(cores) - decode_tp, max(prefill_tp, round(len(cores) * num_prefill_ranks / total)))
+        prefill = split(cores[:num_prefill_cores], num_prefill_ranks)
+        decode = split(cores[num_prefill_cores:], num_decode_ranks)
+    return CorePlan(_by_instance(prefill, prefill_tp), _by_instance(decode, decode_tp), shared=len(cores) < total)
 
 
-def sharing_warning(placement: dict[str, tuple[int, ...]], num_cores: int) -> str:
-    """The one warning of a launch whose instances (name -> cores) share cores."""
-    listing = ", ".join(f"{name} on {','.join(map(str, c))}" for name, c in placement.items())
-    return (f"{len(placement)} instances on {num_cores} core{'s' * (num_cores != 1)}: they share cores and run "
-            f"slower ({listing}); give the launch more cores (taskset) or fewer --prefill/--decode instances")
+def _by_instance(ranks: tuple[tuple[int, ...], ...], tp: int) -> tuple[tuple[int, ...], ...]:
+    """Every `tp` consecutive ranks' cores, as the cores of one instance (which omp_threads_bind
+    divides among its ranks again: the same cores, and a core per rank wherever the ranks had one)."""
+    return tuple(tuple(sorted({core for group in ranks[i:i + tp] for core in group})) for i in range(0, len(ranks), tp))
+
+
+def sharing_warning(placement: dict[str, tuple[tuple[int, ...], int]], num_cores: int) -> str:
+    """The one warning of a launch whose ranks share cores; `placement`: instance name -> (cores, tp)."""
+    listing = ", ".join(f"{name} on {omp_threads_bind(cores, tp)}" for name, (cores, tp) in placement.items())
+    plural = "s" * (num_cores != 1)
+    num_ranks = sum(tp for _, tp in placement.values())
+    if num_ranks == len(placement):
+        return (f"{len(placement)} instances on {num_cores} core{plural}: they share cores and run slower ({listing}); "
+                "give the launch more cores (taskset) or fewer --prefill/--decode instances")
+    return (f"{num_ranks} tensor-parallel ranks on {num_cores} core{plural}: ranks share cores, which is for "
+            f"correctness checks only (cores by rank, '|' between ranks: {listing}); give {num_ranks} cores or "
+            "smaller tensor-parallel sizes")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.launch.arguments import is_hub_id
+from pdserve.launch.cores import omp_threads_bind
 from pdserve.launch.env import vllm_env
 from pdserve.launch.process import ProcessSpec
 from pdserve.launch.shm_namespace import confine, tmpfs_bytes
@@ -19,9 +20,10 @@ class InstanceSpec:
     """A `vllm serve` process.
 
     role: "both" (plain vLLM), "prefill" or "decode" - informative; a mode puts the role's
-    connector flags in extra_args/extra_env. cores: CPUs to pin the process and vLLM's OpenMP
-    threads to (taskset + VLLM_CPU_OMP_THREADS_BIND). shm_limit_bytes: size of the instance's
-    private /dev/shm (its KV cache plus vLLM's own segments; see shm_namespace).
+    connector flags in extra_args/extra_env. cores: CPUs to pin the process to (taskset), divided
+    among its `tp` tensor-parallel ranks for their OpenMP threads (VLLM_CPU_OMP_THREADS_BIND, see
+    cores.omp_threads_bind). shm_limit_bytes: size of the instance's private /dev/shm (the KV cache of
+    every rank plus vLLM's own segments; see shm_namespace).
     """
 
     name: str
@@ -33,21 +35,27 @@ class InstanceSpec:
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
     shm_limit_bytes: int = tmpfs_bytes(1 << 30)
+    tp: int = 1
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
+    @property
+    def cpu_binding(self) -> str:
+        """Each rank's cores, '|' between ranks (VLLM_CPU_OMP_THREADS_BIND)."""
+        return omp_threads_bind(self.cores, self.tp)
+
     def process_spec(self, run_dir: Path) -> ProcessSpec:
         """The command line and environment, with scratch files under run_dir/<name>/, in a private
         /dev/shm where the machine allows it (else its leftovers are swept after it stops)."""
-        cpu_list = ",".join(map(str, self.cores))
-        argv = ("taskset", "-c", cpu_list, sys.executable, "-m", "pdserve.vllm_cli", "serve", self.model,
-                "--host", HOST, "--port", str(self.port), *self.vllm_args, *self.extra_args)
+        parallel = ("--tensor-parallel-size", str(self.tp)) if self.tp > 1 else ()
+        argv = ("taskset", "-c", ",".join(map(str, self.cores)), sys.executable, "-m", "pdserve.vllm_cli", "serve",
+                self.model, "--host", HOST, "--port", str(self.port), *parallel, *self.vllm_args, *self.extra_args)
         confined = confine(argv, self.shm_limit_bytes)
         env = {
             **vllm_env(run_dir / self.name, offline=not is_hub_id(self.model)),
-            "VLLM_CPU_OMP_THREADS_BIND": cpu_list,
+            "VLLM_CPU_OMP_THREADS_BIND": self.cpu_binding,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             **self.extra_env,
         }

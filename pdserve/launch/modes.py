@@ -126,6 +126,7 @@ def plan(options: UpOptions) -> Deployment:
         raise ConfigError(f"unknown mode {options.mode!r} (known: {', '.join(sorted(MODES))})") from None
     deployment = planner(options)
     _check_shape(options, deployment)
+    _check_tp(options, deployment)
     if len(set(deployment.ports)) != len(deployment.ports):
         raise ConfigError(f"mode {options.mode!r} planned one port twice: {deployment.ports}")
     if deployment.front is None and deployment.backend.port == options.port:
@@ -144,10 +145,23 @@ def _check_shape(options: UpOptions, deployment: Deployment) -> None:
                           "modes that run several (write, read)")
 
 
+def _check_tp(options: UpOptions, deployment: Deployment) -> None:
+    """--prefill-tp/--decode-tp other than 1 are refused by a mode whose instances of that role do
+    not run with it (a mode without prefill and decode instances: collocated, round-robin)."""
+    for role in ("prefill", "decode"):
+        tp = options.tp(role)
+        if tp != 1 and {i.tp for i in deployment.instances if i.role == role} != {tp}:
+            raise ConfigError(f"--{role}-tp: a tensor-parallel size other than 1 is for the {role} instances of the PD "
+                              f"modes (write, read, adaptive, adaptive-read, nixl), not {options.mode} (got {tp})")
+
+
 def plain_instance(options: UpOptions, name: str, port: int, cores: tuple[int, ...], role: str = "both") -> InstanceSpec:
-    """A vLLM instance with the launch's shared flags; modes add their own via dataclasses.replace."""
+    """A vLLM instance with the launch's shared flags and the role's tensor-parallel size; modes add
+    their own flags via dataclasses.replace."""
+    tp = options.tp(role)
     return InstanceSpec(name=name, role=role, port=port, model=options.model, cores=cores,
-                        vllm_args=(*options.vllm_args(), *options.budget_args(role)), shm_limit_bytes=tmpfs_bytes(options.kv_cache_bytes))
+                        vllm_args=(*options.vllm_args(role), *options.budget_args(role)),
+                        shm_limit_bytes=tmpfs_bytes(options.kv_cache_bytes, tp), tp=tp)
 
 
 @register("collocated", "one plain vLLM instance on all cores, serving clients directly (the baseline)")

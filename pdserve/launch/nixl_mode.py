@@ -1,7 +1,8 @@
 """`nixl` mode: vLLM's own NixlConnector, 1P+1D behind vllm-router's PD mode with static URLs.
 
 The prefill instance (kv_producer) runs on the first core, the decode instance (kv_consumer) on
-the second; vllm-router (`--vllm-pd-disaggregation`, kv connector nixl by default) sends each
+the second (with --prefill-tp/--decode-tp, a core per rank from the first ones, as
+launch.cores.divide_cores shares them where there are fewer); vllm-router (`--vllm-pd-disaggregation`, kv connector nixl by default) sends each
 request to P with max_tokens=1 and forwards P's kv_transfer_params to D, which pulls the KV
 blocks over NIXL/UCX on loopback. This is the baseline pdserve's own connector is measured against.
 
@@ -25,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve.errors import ConfigError, LaunchError
+from pdserve.launch.cores import divide_cores, sharing_warning
 from pdserve.launch.modes import Deployment, plain_instance, register
 from pdserve.launch.options import UpOptions
 from pdserve.launch.router import RouterSpec
@@ -88,19 +90,25 @@ def _transfer_config(role: str) -> str:
 @register("nixl", "PD with vLLM's own NixlConnector over UCX loopback (P core 0, D core 1), the baseline; "
                   "needs nixl")
 def nixl(options: UpOptions) -> Deployment:
-    """P on the first core, D on the second, vllm-router in PD mode with static URLs."""
+    """P on the first core, D on the second (a core per rank from the first ones with TP), vllm-router
+    in PD mode with static URLs."""
     if len(options.cores) < 2:
         raise ConfigError("nixl needs two cores")
     if not nixl_installed():
         raise ConfigError("nixl is not installed (pdserve bench installs it when the nixl config is requested)")
+    cores = divide_cores(options.cores[:options.prefill_tp + options.decode_tp], 1, 1, options.prefill_tp,
+                         options.decode_tp)
+    roles = (("prefill", "kv_producer", cores.prefill[0]), ("decode", "kv_consumer", cores.decode[0]))
     instances = []
-    for i, (name, role, kv_role) in enumerate((("prefill", "prefill", "kv_producer"),
-                                                ("decode", "decode", "kv_consumer"))):
-        base = plain_instance(options, name, options.port + 1 + i, (options.cores[i],), role=role)
+    for i, (role, kv_role, instance_cores) in enumerate(roles):
+        base = plain_instance(options, role, options.port + 1 + i, instance_cores, role=role)
         instances.append(dataclasses.replace(
             base, extra_args=("--kv-transfer-config", _transfer_config(kv_role)),
             extra_env=_nixl_env(options.port + 5 + i)))
     prefill, decode = instances
     router = RouterSpec(port=options.port, prometheus_port=options.port + 3, policy="round_robin",
                         extra_args=("--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url))
-    return Deployment(tuple(instances), router, extra_ports=(options.port + 5, options.port + 6))  # side channels
+    warnings = ((sharing_warning({i.name: (i.cores, i.tp) for i in instances}, len(options.cores)),) if cores.shared
+                else ())
+    # the side channels: one per instance whatever its tensor-parallel size (NixlConnector's scheduler side)
+    return Deployment(tuple(instances), router, extra_ports=(options.port + 5, options.port + 6), warnings=warnings)

@@ -16,6 +16,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 18000
 DEFAULT_DRAIN_TIMEOUT = 30.0
 MAX_INSTANCES_PER_ROLE = 16
+MAX_TP = 64  # the largest tensor-parallel size of an instance
+TP_FLAGS = ("--tensor-parallel-size", "-tp")  # vLLM's, which pdserve sets itself (see refuse_tp_flag)
 ADAPTIVE_MODES = ("adaptive", "adaptive-read")  # the modes with per-request placement
 RestartPolicy = Literal["on-failure", "never"]
 RESTART_POLICIES: tuple[str, ...] = get_args(RestartPolicy)
@@ -43,6 +45,8 @@ class UpOptions:
     refused meanwhile); 0 cuts them off at once.
     `num_prefill`, `num_decode`: how many prefill and decode instances a PD mode runs (xPyD); a
     mode with a fixed shape refuses other numbers (see modes.plan).
+    `prefill_tp`, `decode_tp`: the tensor-parallel size of each prefill and decode instance of a PD
+    mode; `kv_cache_bytes` stays the instance's, divided among its ranks (see vllm_args).
     """
 
     mode: str = "collocated"
@@ -69,6 +73,8 @@ class UpOptions:
     serve_decode: bool = False  # adaptive placement: the prefill instance serves whole requests too
     num_prefill: int = 1
     num_decode: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         check_restart_policy(self.restart)
@@ -87,6 +93,9 @@ class UpOptions:
         for name, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             if not 1 <= count <= MAX_INSTANCES_PER_ROLE:
                 raise ConfigError(f"--{name}: {count} {name} instances: give 1..{MAX_INSTANCES_PER_ROLE}")
+        for flag, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
+            check_tp(flag, tp)
+        refuse_tp_flag(self.extra_vllm_args, "--prefill-tp / --decode-tp")
         for name, budget in (("prefill", self.prefill_budget), ("decode", self.decode_budget),
                              ("decode chunk", self.decode_chunk), ("prefill chunk", self.prefill_chunk)):
             if budget is not None and not 16 <= budget <= 1 << 20:
@@ -110,6 +119,10 @@ class UpOptions:
             raise ConfigError("give --slo or --itl-target-ms / --max-step-ms, not both: the SLO sets them")
         SLO.parse(self.slo)  # a clear error here rather than from every instance
 
+    def tp(self, role: str) -> int:
+        """The tensor-parallel size of an instance of `role` (prefill|decode|both)."""
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role, 1)
+
     def budget_args(self, role: str) -> tuple[str, ...]:
         """`--max-num-batched-tokens` (and a decode instance's `--long-prefill-token-threshold`) for an
         instance of `role` (prefill|decode|both), where set."""
@@ -120,15 +133,31 @@ class UpOptions:
             args += ("--long-prefill-token-threshold", str(chunk))
         return args
 
-    def vllm_args(self) -> tuple[str, ...]:
-        """Flags every vLLM instance of a launch shares."""
+    def vllm_args(self, role: str = "both") -> tuple[str, ...]:
+        """Flags every vLLM instance of a launch shares, for an instance of `role`: vLLM's
+        --kv-cache-memory-bytes is per rank, so the instance's KV cache is divided among its ranks
+        (the same number of blocks whatever its tensor-parallel size)."""
         args = ["--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
-                "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+                "--kv-cache-memory-bytes", str(self.kv_cache_bytes // self.tp(role)),
                 "--uvicorn-log-level", "warning"]
         args.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
         if self.enforce_eager:
             args.append("--enforce-eager")
         return (*args, *self.extra_vllm_args)
+
+
+def check_tp(flag: str, tp: int) -> None:
+    if not 1 <= tp <= MAX_TP:
+        raise ConfigError(f"{flag}: a tensor-parallel size in 1..{MAX_TP} (got {tp})")
+
+
+def refuse_tp_flag(vllm_args: tuple[str, ...], instead: str) -> None:
+    """vLLM's own tensor-parallel flag is refused: the launcher must know each instance's size to give
+    every rank its cores and its handshake and notify ports."""
+    for arg in vllm_args:
+        if arg.split("=", 1)[0] in TP_FLAGS:
+            raise ConfigError(f"{arg} among vLLM's flags: give {instead} instead, which also pins each rank to its "
+                              "cores and gives it its ports")
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

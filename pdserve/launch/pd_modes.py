@@ -12,21 +12,27 @@ count: a prefill instance that serves whole requests too (placement/serve_gate.p
 requests until it runs as many as decode does, where a random pick would leave decode's streams
 the more loaded.
 
-Ports, from the deployment's base port B, with K = N + M instances:
+Tensor parallelism: `--prefill-tp` / `--decode-tp` (UpOptions.prefill_tp / decode_tp, 1 by default)
+run each prefill or decode instance with that many ranks; rank r of an instance binds its handshake
+and notify ports + r, so an instance of T ranks has T consecutive ports of each.
+
+Ports, from the deployment's base port B, with K = N + M instances and R = N*prefill_tp + M*decode_tp
+ranks; instance i (prefill 0..N-1, then decode) has T_i ranks, and S_i = T_0 + ... + T_(i-1):
     B                      router (under `pdserve up`, pdserve's front takes B and the router moves
-                           to B+3K+3, the first port after all of these)
+                           to B+K+2R+4, the first port after all of these)
     B+1 .. B+N             prefill instances' HTTP
     B+N+1 .. B+K           decode instances' HTTP
     B+K+1                  router Prometheus
     B+K+2                  discovery: pdserve's registrar, where instances register (launch/registrar/)
-    B+K+3+2i, B+K+4+2i     handshake / notify of instance i (prefill 0..N-1, then decode)
-    B+3K+3                 the router's own discovery socket, which only the registrar reaches
+    B+K+3+2S_i ..          instance i's T_i handshake ports, then its T_i notify ports
+    B+K+2R+3               the router's own discovery socket, which only the registrar reaches
 so 1P+1D is B, P B+1, D B+2, Prometheus B+3, discovery B+4, handshake/notify B+5..B+8, the
-router's discovery B+9, router B+10; 2P+1D uses B..B+13. Instances are named prefill/decode when
-there is one of the role, else prefill0, prefill1, ... Cores are divided by
-launch.cores.divide_cores (P and D on their own cores where there are enough; shared, with one
-warning, where not). All instances and the registrar share a control-plane secret kept in the
-project cache.
+router's discovery B+9, router B+10; 2P+1D uses B..B+13; 1P+1D with prefill_tp 2 gives P the
+handshake ports B+5, B+6 and notify ports B+7, B+8, D B+9 and B+10. Instances are named
+prefill/decode when there is one of the role, else prefill0, prefill1, ... Cores are divided among
+the ranks by launch.cores.divide_cores (every rank its own cores where there are enough; shared,
+with one warning, where not). All instances and the registrar share a control-plane secret kept in
+the project cache.
 This module must not import vLLM: the launcher plans deployments in a plain process.
 """
 
@@ -82,15 +88,22 @@ def transfer_config(role: str, mode: str, http_port: int, handshake_port: int, n
 
 @dataclass(frozen=True)
 class PortLayout:
-    """The ports of an N-prefill, M-decode deployment from base port `base` (module docstring)."""
+    """The ports of an N-prefill, M-decode deployment from base port `base`, each prefill instance
+    of `prefill_tp` ranks and each decode instance of `decode_tp` (module docstring)."""
 
     base: int
     num_prefill: int
     num_decode: int
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     @property
     def num_instances(self) -> int:
         return self.num_prefill + self.num_decode
+
+    def tp(self, index: int) -> int:
+        """The number of ranks of instance `index` (prefill 0..N-1, then decode)."""
+        return self.prefill_tp if index < self.num_prefill else self.decode_tp
 
     def http(self, index: int) -> int:
         """Instance `index` (prefill 0..N-1, then decode)."""
@@ -105,20 +118,25 @@ class PortLayout:
         return self.base + self.num_instances + 2
 
     def handshake(self, index: int) -> int:
-        return self.base + self.num_instances + 3 + 2 * index
+        """The first handshake port of instance `index`; its rank r binds this + r."""
+        ranks_before = sum(self.tp(i) for i in range(index))
+        return self.base + self.num_instances + 3 + 2 * ranks_before
 
     def notify(self, index: int) -> int:
-        return self.handshake(index) + 1
+        """The first notify port of instance `index`; its rank r binds this + r."""
+        return self.handshake(index) + self.tp(index)
 
     @property
     def router_discovery(self) -> int:
-        return self.notify(self.num_instances - 1) + 1
+        last = self.num_instances - 1
+        return self.notify(last) + self.tp(last)
 
     @property
     def control_ports(self) -> tuple[int, ...]:
-        """Discovery, every instance's handshake/notify port and the router's discovery (the ports
+        """Discovery, every rank's handshake and notify port and the router's discovery (the ports
         no HTTP server binds)."""
-        instances = (p for i in range(self.num_instances) for p in (self.handshake(i), self.notify(i)))
+        instances = (first + rank for i in range(self.num_instances) for first in (self.handshake(i), self.notify(i))
+                     for rank in range(self.tp(i)))
         return (self.discovery, *instances, self.router_discovery)
 
     @property
@@ -135,11 +153,12 @@ def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = 
                   by_name: bool = False) -> Deployment:
     """The xPyD deployment of `options.num_prefill` P and `options.num_decode` D instances;
     `connector_extra` goes into every instance's kv_connector_extra_config."""
-    ports = PortLayout(options.port, options.num_prefill, options.num_decode)
+    ports = PortLayout(options.port, options.num_prefill, options.num_decode, options.prefill_tp, options.decode_tp)
     if ports.last + 1 > 65535:
         raise ConfigError(f"{ports.num_instances} PD instances from port {options.port} need ports up to "
                           f"{ports.last + 1}: choose a lower --port")
-    cores = divide_cores(options.cores, options.num_prefill, options.num_decode)
+    cores = divide_cores(options.cores, options.num_prefill, options.num_decode, options.prefill_tp,
+                         options.decode_tp)
     roles = [("prefill", "kv_producer", name, c)
              for name, c in zip(instance_names("prefill", options.num_prefill), cores.prefill)]
     roles += [("decode", "kv_consumer", name, c)
@@ -157,7 +176,8 @@ def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = 
                     "--vllm-pd-disaggregation", "--kv-connector", "moriio"),
         registrar=registrar,
     )
-    warnings = (sharing_warning({i.name: i.cores for i in instances}, len(options.cores)),) if cores.shared else ()
+    warnings = ((sharing_warning({i.name: (i.cores, i.tp) for i in instances}, len(options.cores)),) if cores.shared
+                else ())
     return Deployment(tuple(instances), router, extra_ports=ports.control_ports, warnings=warnings)
 
 

@@ -12,6 +12,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 
 from pdserve.config import TRANSPORTS
 from pdserve.control.secret import SECRET_FILE_ENV
@@ -33,15 +34,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     inst.add_argument("--secret-file", required=True, type=arg.secret_file, metavar="FILE",
                       help="the deployment's shared control-plane key (a non-empty file, mode 600)")
     inst.add_argument("--mode", default="write", choices=("write", "read"), help="how KV moves: P writes or D reads")
-    inst.add_argument("--port", type=arg.port, default=8100, help="HTTP port (handshake port+1, notify port+2)")
-    inst.add_argument("--handshake-port", type=arg.port, metavar="PORT", help="default: --port + 1")
-    inst.add_argument("--notify-port", type=arg.port, metavar="PORT", help="default: --port + 2")
+    inst.add_argument("--port", type=arg.port, default=8100,
+                      help="HTTP port (handshake ports port+1..port+T, notify ports port+T+1..port+2T for --tp T)")
+    inst.add_argument("--handshake-port", type=arg.port, metavar="PORT",
+                      help="the first handshake port, rank r binding it + r (default: --port + 1)")
+    inst.add_argument("--notify-port", type=arg.port, metavar="PORT",
+                      help="the first notify port, rank r binding it + r (default: --port + --tp + 1)")
+    inst.add_argument("--tp", type=arg.tensor_parallel_size, default=1, metavar="T",
+                      help="tensor-parallel size: T ranks, each with its own handshake and notify port and, with "
+                           "--cores, its share of those cores (shared round-robin, with a warning, if fewer than T)")
     inst.add_argument("--transport", default="auto", choices=TRANSPORTS,
                       help="how KV moves: shm on one host, nixl across hosts, auto picks per peer")
     inst.add_argument("--allowed-peers", type=arg.peer_list, metavar="NETS",
                       help="comma-separated networks/hosts that may reach this instance (default: this host, router)")
     inst.add_argument("--cores", type=arg.cpu_list, default="", metavar="CPUS",
-                      help="CPU list to pin to, e.g. 0 or 0-3 (default: no pinning)")
+                      help="CPU list to pin to, e.g. 0 or 0-3, divided among the --tp ranks (default: no pinning: "
+                           "vLLM binds rank r to NUMA node r, so with --tp > 1 it needs as many NUMA nodes)")
     inst.add_argument("--connector-extra", type=arg.json_object, default="{}", metavar="JSON",
                       help="more kv_connector_extra_config keys, as a JSON object")
     inst.add_argument("--print", action="store_true", help="print the command instead of running it")
@@ -63,19 +71,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_instance(args) -> int:
     # the command builders are imported when a command runs, so that building the parser stays light
+    from pdserve.launch.cores import sharing_warning
     from pdserve.launch.env import prepare
     from pdserve.launch.per_host import Endpoint, InstanceOptions, instance_command
 
     if args.vllm_args and args.vllm_args[0] != "--":
         raise ConfigError(f"unrecognized argument {args.vllm_args[0]!r} (vLLM's own flags go after --)")
-    _check_ports("--port", args.port, args.handshake_port, args.notify_port)
     options = InstanceOptions(
         role=args.role, router=Endpoint(*args.router), host_ip=args.host_ip, model=args.model,
         secret_file=args.secret_file, mode=args.mode, port=args.port, handshake_port=args.handshake_port,
         notify_port=args.notify_port, transport=args.transport, allowed_peers=args.allowed_peers or (),
         cores=args.cores, connector_extra=tuple(args.connector_extra.items()), vllm_args=tuple(args.vllm_args[1:]),
+        tp=args.tp,
     )
     argv, env = instance_command(options)
+    if args.cores and len(args.cores) < args.tp:
+        print(f"pdserve instance: warning: {sharing_warning({args.role: (args.cores, args.tp)}, len(args.cores))}",
+              file=sys.stderr)
     if args.print:
         print(shlex.join(argv))
         return 0

@@ -26,16 +26,18 @@ from typing import NamedTuple
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# Room beyond the KV cache for vLLM's own segments (message queues of 160-250 MB each, semaphores).
-# tmpfs size is a limit, not a reservation: pages are used only when written.
+# Room beyond the KV cache for vLLM's own segments (message queues of 160-250 MB each, semaphores),
+# per tensor-parallel rank: each rank adds its own queues and all-reduce buffers. tmpfs size is a
+# limit, not a reservation: pages are used only when written.
 HEADROOM_BYTES = 4 * GIB
 MOUNT_SOURCE = "pdserve-shm"  # the tmpfs's name in /proc/<pid>/mountinfo
 _SCRIPT = 'mount -t tmpfs -o "$1" {source} /dev/shm || exit 125; shift; exec "$@"'
 
 
-def tmpfs_bytes(kv_cache_bytes: int) -> int:
-    """The tmpfs limit for an instance whose KV cache is `kv_cache_bytes`."""
-    return kv_cache_bytes + HEADROOM_BYTES
+def tmpfs_bytes(kv_cache_bytes: int, tp: int = 1) -> int:
+    """The tmpfs limit for an instance whose KV cache is `kv_cache_bytes`, all its `tp` ranks together
+    (each rank's KV cache is a segment there)."""
+    return kv_cache_bytes + HEADROOM_BYTES * tp
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
 budget per role, prefix caching, enforce_eager, cores divided as on one host), with the same `vllm
 serve` flags per role, so the two can be compared; without it, the test harness's (enforce_eager,
 512-token steps on both roles). Needs root (network and PID namespaces). Ports 30000-30022 inside the
-namespaces. `python -m pdserve.launch.two_host client ...` is what runs inside a namespace for
+namespaces (with tensor parallelism, 2 more after each instance's HTTP port per rank beyond the first). `python -m pdserve.launch.two_host client ...` is what runs inside a namespace for
 the helpers below (wait, greedy, metrics, model).
 """
 
@@ -106,15 +106,15 @@ class TwoHostPD:
     def instance_argv(self, role: str, secret: Path) -> list[str]:
         """`pdserve instance` for `role`: the vLLM flags a same-host deployment of `options` gives it."""
         o = self.options
-        cores = divide_cores(o.cores, 1, 1)
+        cores = divide_cores(o.cores, 1, 1, o.prefill_tp, o.decode_tp)
         core_list = (cores.prefill if role == "prefill" else cores.decode)[0]
         port = PREFILL_PORT if role == "prefill" else DECODE_PORT
         return [*_pdserve(), "instance", "--role", role, "--router", f"{self.hosts.ip('a')}:{ROUTER_PORT + 2}",
                 "--host-ip", self.hosts.ip(HOSTS[role]), "--port", str(port), "--model", o.model,
                 "--secret-file", str(secret), "--mode", self.mode, "--transport", self.transports[role],
-                "--allowed-peers", NETWORK, "--cores", ",".join(map(str, core_list)),
+                "--allowed-peers", NETWORK, "--cores", ",".join(map(str, core_list)), "--tp", str(o.tp(role)),
                 "--connector-extra", json.dumps(self.connector_extra), "--",
-                *o.vllm_args(), *o.budget_args(role), *self.vllm_args.get(role, ())]
+                *o.vllm_args(role), *o.budget_args(role), *self.vllm_args.get(role, ())]
 
     def __exit__(self, *exc_info) -> None:
         self.close()
