@@ -11,12 +11,15 @@ from pdserve.transport.base import (
     block_copy_ops,
     merge_contiguous,
 )
+from pdserve.transport.device import CPU, MemoryDevice
 from pdserve.transport.shared_segment import SharedSegment, segment_name, sweep_stale_segments
 from pdserve.transport.shm import ShmTransport
 
 __all__ = [
+    "CPU",
     "CopyOp",
     "Direction",
+    "MemoryDevice",
     "RegionDescriptor",
     "RegionOps",
     "SharedSegment",

@@ -15,15 +15,16 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
-from pdserve.errors import ProtocolError, TransferTimeout
-from pdserve.transport.shared_segment import segment_name_problem
-
-MAX_REGION_ID = (1 << 16) - 1
-MAX_REGION_BYTES = 1 << 48
+from pdserve.errors import TransferTimeout
+from pdserve.transport.device import CPU, MemoryDevice
+from pdserve.transport.region_descriptor import (  # noqa: F401 - their home now; still importable from here
+    MAX_REGION_BYTES,
+    MAX_REGION_ID,
+    RegionDescriptor,
+)
 
 
 class CopyOp(NamedTuple):
@@ -50,54 +51,6 @@ class TransferStatus(Enum):
     PENDING = "PENDING"
     DONE = "DONE"
     FAILED = "FAILED"
-
-
-@dataclass(frozen=True)
-class RegionDescriptor:
-    """What a peer needs to reach one of our regions: its id, size and how to map it.
-
-    `shm_name` is the POSIX shm segment (a file name in /dev/shm) backing the region, for the
-    shm backend; `address` is the region's virtual address in the owner's process, for backends
-    that address remote memory directly (NIXL). Either may be None.
-    """
-
-    region_id: int
-    size: int
-    shm_name: str | None
-    address: int | None
-
-    def to_wire(self) -> dict:
-        return {
-            "region_id": self.region_id,
-            "size": self.size,
-            "shm_name": self.shm_name,
-            "address": self.address,
-        }
-
-    @classmethod
-    def from_wire(cls, data: dict) -> RegionDescriptor:
-        """Parse a peer's descriptor; ProtocolError naming the field that is missing, of the
-        wrong type (bools are not integers here) or out of range."""
-        expected = {"region_id", "size", "shm_name", "address"}
-        if not isinstance(data, dict) or set(data) != expected:
-            raise ProtocolError(f"region descriptor must have exactly the keys {sorted(expected)}, got {data!r:.200}")
-        region_id, size, shm_name, address = (data[k] for k in ("region_id", "size", "shm_name", "address"))
-        _check_int(region_id, "region_id", 0, MAX_REGION_ID)
-        _check_int(size, "size", 1, MAX_REGION_BYTES)
-        if address is not None:
-            _check_int(address, "address", 0, (1 << 64) - 1)
-        if shm_name is not None:
-            problem = segment_name_problem(shm_name)
-            if problem is not None:
-                raise ProtocolError(f"region descriptor {region_id}: {problem}")
-        return cls(region_id, size, shm_name, address)
-
-
-def _check_int(value, name: str, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"region descriptor {name} must be an integer, got {type(value).__name__} {value!r:.40}")
-    if not low <= value <= high:
-        raise ProtocolError(f"region descriptor {name} {value} is outside {low}..{high}")
 
 
 class TransferHandle:
@@ -182,12 +135,16 @@ class Transport(ABC):
 
     @abstractmethod
     def register_region(
-        self, region_id: int, address: int, size: int, shm_name: str | None = None
+        self, region_id: int, address: int, size: int, shm_name: str | None = None, *, device: MemoryDevice = CPU
     ) -> RegionDescriptor:
         """Declare `size` bytes of local memory at `address` that peers may read and write.
 
         `shm_name` names the POSIX shm segment holding that memory (the shm backend requires it
-        so the peer can map the region). Registering an id twice raises ValueError.
+        so the peer can map the region). `device` is where the memory is: host memory unless
+        said otherwise; a backend that cannot reach memory on that device raises TransferError
+        (shm moves host memory only; NIXL registers device memory as VRAM). Device memory a
+        same-host peer maps through IPC is registered with `GpuIpcTransport.register_tensor`
+        instead, which needs the tensor. Registering an id twice raises ValueError.
         """
 
     @abstractmethod

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, TransferHandle, TransferStatus, Transport
+from pdserve.transport.device import CPU, MemoryDevice
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ JOIN_DEADLINE_S = 5.0
 class Job(NamedTuple):
     handle: TransferHandle
     batch: tuple[RegionOps, ...]
+    ready: object = None  # device backends: an event the copy must wait for (recorded at submit)
 
 
 # One checked copy of a batch: (local address, remote address, length in bytes); the remote address
@@ -70,13 +72,19 @@ class CopyThreadTransport(Transport):
 
     # ---- backend hooks -----------------------------------------------------------------------
 
-    def _register_memory(self, address: int, size: int) -> None:
-        """Make a new local region reachable by the backend (before it is recorded)."""
+    def _register_memory(self, address: int, size: int, device: MemoryDevice) -> None:
+        """Make a new local region reachable by the backend (before it is recorded); TransferError
+        when the backend cannot reach memory on `device`."""
 
     @abstractmethod
     def _copy(self, job: Job) -> None:
         """On the copy thread: run an admitted batch (its handle has begun) and finish its handle,
         now or from a later `_progress`."""
+
+    def _mark_ready(self) -> object:
+        """On the submitting thread, at submit: what the batch's copy must wait for (a device
+        backend records an event on the compute stream); None for host memory."""
+        return None
 
     def _progress(self) -> None:
         """On the copy thread, whenever the queue is empty: advance copies still in flight."""
@@ -92,14 +100,14 @@ class CopyThreadTransport(Transport):
     # ---- regions and transfers (worker thread) -------------------------------------------------
 
     def register_region(
-        self, region_id: int, address: int, size: int, shm_name: str | None = None
+        self, region_id: int, address: int, size: int, shm_name: str | None = None, *, device: MemoryDevice = CPU
     ) -> RegionDescriptor:
         if region_id in self._local:
             raise ValueError(f"region {region_id} is already registered")
         if size <= 0 or address <= 0:
             raise ValueError(f"region {region_id}: bad address {address:#x} or size {size}")
-        self._register_memory(address, size)
-        desc = RegionDescriptor(region_id, size, shm_name, address)
+        self._register_memory(address, size, device)
+        desc = RegionDescriptor(region_id, size, shm_name, address, device)
         self._local[region_id] = desc
         return desc
 
@@ -120,7 +128,7 @@ class CopyThreadTransport(Transport):
         if self._closed:
             handle.finish(TransferStatus.FAILED, f"transport {self.name} is closed")
             return handle
-        self._jobs.put(Job(handle, batch))
+        self._jobs.put(Job(handle, batch, self._mark_ready()))
         return handle
 
     def close(self) -> None:

@@ -15,7 +15,10 @@ bytes any more, so `on_stuck_write` is called, and by default it ends this proce
 that is gone posts no more bytes, and its agent's endpoints close with it).
 
 A peer is attached with its region descriptors plus its agent metadata (`local_endpoint()` on the
-other side), which travels in the authenticated handshake. Only DRAM regions for now.
+other side), which travels in the authenticated handshake. Regions in host memory register as
+DRAM, regions on a GPU as VRAM under the GPU's ordinal (`nixl_memory`), for UCX's CUDA transports;
+a peer's region is posted as its descriptor's device says. One batch reads or writes one memory
+type on each side (a KV cache lives on one device).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import NamedTuple
 from pdserve.errors import TransferError
 from pdserve.transport.base import Direction, RegionDescriptor, TransferHandle, TransferStatus
 from pdserve.transport.copy_thread import CopyThreadTransport, Job, past
-from pdserve.transport.nixl_agent import NixlAgent, XferState
+from pdserve.transport.device import MemoryDevice
+from pdserve.transport.nixl_agent import DRAM, NixlAgent, NixlMemory, XferState, nixl_memory
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +85,8 @@ class NixlTransport(CopyThreadTransport):
 
     # ---- regions and peers (worker thread) ---------------------------------------------------
 
-    def _register_memory(self, address: int, size: int) -> None:
-        self._agent.register_dram(address, size)
+    def _register_memory(self, address: int, size: int, device: MemoryDevice) -> None:
+        self._agent.register(address, size, nixl_memory(device))
 
     def local_endpoint(self) -> bytes:
         """This agent's metadata (its UCX addresses and registered memory keys), for the handshake."""
@@ -158,20 +162,34 @@ class NixlTransport(CopyThreadTransport):
             if isinstance(copies, str):
                 handle.finish(TransferStatus.FAILED, copies)
                 return
-            local_list = [(local, length, 0) for local, _, length in copies if length]
+            memories = self._memories(job, peer)
+            if isinstance(memories, str):
+                handle.finish(TransferStatus.FAILED, memories)
+                return
+            local_memory, remote_memory = memories
+            local_list = [(local, length, local_memory.device_id) for local, _, length in copies if length]
             if not local_list:
                 handle.copy_seconds = 0.0
                 handle.finish(TransferStatus.DONE)
                 return
-            remote_list = [(remote, length, 0) for _, remote, length in copies if length]
+            remote_list = [(remote, length, remote_memory.device_id) for _, remote, length in copies if length]
             posted = time.perf_counter()
             try:
                 request, state = self._agent.post(handle.direction is Direction.WRITE, local_list, remote_list,
-                                                  peer.agent_name)
+                                                  peer.agent_name, local_memory.segment, remote_memory.segment)
             except TransferError as exc:
                 handle.finish(TransferStatus.FAILED, str(exc))
                 return
             self._settle(_InFlight(handle, request, posted), state)
+
+    def _memories(self, job: Job, peer: _Peer) -> tuple[NixlMemory, NixlMemory] | str:
+        """The one NIXL memory of each side of a checked batch, or why the batch mixes several."""
+        local = {nixl_memory(self._local[r.region_id].device) for r in job.batch if r.ops}
+        remote = {nixl_memory(peer.region(r.region_id).device) for r in job.batch if r.ops}
+        if len(local) > 1 or len(remote) > 1:
+            return (f"a batch spans several memories (local {sorted(local)}, remote {sorted(remote)}); "
+                    "NIXL posts one memory type per side")
+        return (local.pop() if local else DRAM, remote.pop() if remote else DRAM)
 
     def _progress(self) -> None:
         if not self._in_flight and not self._stuck:

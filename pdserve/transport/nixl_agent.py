@@ -15,8 +15,10 @@ import importlib.util
 import threading
 from enum import Enum
 from types import ModuleType
+from typing import NamedTuple
 
 from pdserve.errors import ConfigError, TransferError
+from pdserve.transport.device import MemoryDevice
 
 NIXL_PACKAGE = "nixl-cu12"
 BINDING_MODULES = ("nixl_cu12._bindings", "nixl._bindings")
@@ -44,6 +46,22 @@ def nixl_installed() -> bool:
     return False
 
 
+class NixlMemory(NamedTuple):
+    """How NIXL names a region's memory: its segment type and the device id it registers under."""
+
+    segment: str  # "DRAM" (host memory) or "VRAM" (GPU memory)
+    device_id: int
+
+
+DRAM = NixlMemory("DRAM", 0)
+
+
+def nixl_memory(device: MemoryDevice) -> NixlMemory:
+    """Host memory is DRAM under device id 0 (as vLLM's NixlConnector registers it); a GPU's
+    memory is VRAM under the GPU's ordinal, which UCX's cuda transports need to reach it."""
+    return DRAM if device.is_cpu else NixlMemory("VRAM", device.index)
+
+
 class XferState(Enum):
     DONE = "DONE"
     IN_PROGRESS = "IN_PROGRESS"
@@ -51,7 +69,7 @@ class XferState(Enum):
 
 
 class NixlAgent:
-    """One NIXL agent named `name`, with the UCX backend and DRAM registrations."""
+    """One NIXL agent named `name`, with the UCX backend and DRAM or VRAM registrations."""
 
     def __init__(self, name: str, progress_delay_us: int = PROGRESS_DELAY_US):
         self._nixl = nixl = load_bindings()
@@ -72,9 +90,9 @@ class NixlAgent:
     def _call(self, what: str):
         return _Guard(self._lock, what, self._nixl)
 
-    def register_dram(self, address: int, size: int) -> None:
-        with self._call(f"register {size} bytes at {address:#x}"):
-            descs = self._nixl.nixlRegDList(self._nixl.DRAM_SEG, [(address, size, 0, "")])
+    def register(self, address: int, size: int, memory: NixlMemory = DRAM) -> None:
+        with self._call(f"register {size} bytes of {memory.segment} at {address:#x}"):
+            descs = self._nixl.nixlRegDList(self._segment(memory.segment), [(address, size, memory.device_id, "")])
             self._status(self._agent.registerMem(descs), "registerMem")
             self._registered.append(descs)
 
@@ -94,13 +112,14 @@ class NixlAgent:
             self._agent.invalidateRemoteMD(name)
 
     def post(self, write: bool, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
-             remote_name: str) -> tuple[int, XferState]:
-        """Create and post one transfer of (address, length, device) pairs; returns its request
-        handle and first state. The caller must `release` the handle."""
+             remote_name: str, local_segment: str = "DRAM", remote_segment: str = "DRAM") -> tuple[int, XferState]:
+        """Create and post one transfer of (address, length, device id) triples, each list of one
+        segment type ("DRAM" or "VRAM"); returns its request handle and first state. The caller
+        must `release` the handle."""
         nixl = self._nixl
         with self._call(f"post a transfer to {remote_name}"):
-            local_descs = nixl.nixlXferDList(nixl.DRAM_SEG, local)
-            remote_descs = nixl.nixlXferDList(nixl.DRAM_SEG, remote)
+            local_descs = nixl.nixlXferDList(self._segment(local_segment), local)
+            remote_descs = nixl.nixlXferDList(self._segment(remote_segment), remote)
             op = nixl.NIXL_WRITE if write else nixl.NIXL_READ
             request = self._agent.createXferReq(op, local_descs, remote_descs, remote_name, "", [])
             try:
@@ -124,6 +143,11 @@ class NixlAgent:
             for descs in self._registered:
                 self._agent.deregisterMem(descs, [])
             self._registered.clear()
+
+    def _segment(self, name: str):
+        if name not in ("DRAM", "VRAM"):
+            raise TransferError(f"NIXL memory type {name!r} is neither DRAM nor VRAM")
+        return getattr(self._nixl, f"{name}_SEG")
 
     def _state(self, status) -> XferState:
         if status == self._nixl.NIXL_SUCCESS:

@@ -6,6 +6,11 @@ proof holds, see nixl_host.py; NIXL otherwise). Both backends see the same KV me
 shm segments (mapped by same-host peers) and is registered with the NIXL agent as DRAM. Each peer
 incarnation is attached to exactly one backend, and its transfers go there.
 
+With the KV cache on a GPU (device_transport.py builds it), the same-host backend is gpu-ipc
+instead of shm (`local_name`), device storages are registered with `register_tensor`, and NIXL
+registers them as VRAM; policy `gpu-ipc` sends every peer to gpu-ipc, and only peers that proved
+to share our host (IPC handles open nowhere else).
+
 Under `auto` the NIXL agent starts only when the first peer that is not on this host needs it:
 either side of a handshake proves its host to the other, so a replier starts it for a requester
 that proved nothing, and a requester for a replier that did not. An agent costs every step even
@@ -23,11 +28,28 @@ from typing import NamedTuple
 
 from pdserve.errors import ConfigError, TransferError
 from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, TransferHandle, TransferStatus, Transport
+from pdserve.transport.device import CPU, MemoryDevice
 from pdserve.transport.nixl_agent import NIXL_PACKAGE, nixl_installed
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("auto", "shm", "nixl")
+POLICIES = ("auto", "shm", "nixl", "gpu-ipc")
+LOCAL_ONLY = ("shm", "gpu-ipc")  # policies that never use NIXL
+
+
+class _Registered(NamedTuple):
+    region_id: int
+    address: int
+    size: int
+    shm_name: str | None
+    device: MemoryDevice
+
+    def register_with(self, transport: Transport) -> RegionDescriptor:
+        """Register with `transport`, naming the device only when it is not the CPU (so backends
+        and wrappers of host memory are called exactly as before)."""
+        if self.device.is_cpu:
+            return transport.register_region(self.region_id, self.address, self.size, self.shm_name)
+        return transport.register_region(self.region_id, self.address, self.size, self.shm_name, device=self.device)
 
 
 class PeerRoute(NamedTuple):
@@ -42,20 +64,22 @@ class PeerRoute(NamedTuple):
 class RoutedTransport(Transport):
     """Called like any Transport, except that `attach_peer` takes the peer's route. NIXL is either
     running (`nixl`), started on first need (`start_nixl`, policy auto), or unavailable (neither:
-    NIXL is not installed, or policy shm)."""
+    NIXL is not installed, or policy shm or gpu-ipc). `shm` is the same-host backend, named
+    `local_name` in routes (ShmTransport, or GpuIpcTransport for device memory)."""
 
     def __init__(self, policy: str, shm: Transport, nixl: Transport | None = None,
-                 start_nixl: Callable[[], Transport] | None = None):
+                 start_nixl: Callable[[], Transport] | None = None, local_name: str = "shm"):
         if policy not in POLICIES:
             raise ConfigError(f"unknown transport {policy!r} (available: {', '.join(POLICIES)})")
         if policy == "nixl" and nixl is None:
             raise ConfigError(f"transport nixl needs the {NIXL_PACKAGE} package: pip install 'pdserve[nixl]'")
         self.policy = policy
         self.shm = shm
+        self.local_name = local_name
         self._nixl = nixl
         self._start_nixl = start_nixl if policy == "auto" else None
         self._lock = threading.Lock()  # starting NIXL: handshake threads on both sides may need it at once
-        self._regions: list[tuple[int, int, int, str | None]] = []  # registered so far: a late agent gets them too
+        self._regions: list[_Registered] = []  # registered so far: a late agent gets them too
         self._routes: dict[str, str] = {}
         self._attached: list[str] = []  # the backend of each attach since `take_attached`
 
@@ -64,14 +88,28 @@ class RoutedTransport(Transport):
         return self._nixl is not None
 
     def register_region(
-        self, region_id: int, address: int, size: int, shm_name: str | None = None
+        self, region_id: int, address: int, size: int, shm_name: str | None = None, *, device: MemoryDevice = CPU
     ) -> RegionDescriptor:
-        desc = self.shm.register_region(region_id, address, size, shm_name)
-        with self._lock:
-            self._regions.append((region_id, address, size, shm_name))
-            if self._nixl is not None and self.policy != "shm":
-                self._nixl.register_region(region_id, address, size, shm_name)
+        region = _Registered(region_id, address, size, shm_name, device)
+        desc = region.register_with(self.shm)
+        self._register_with_nixl(region)
         return desc
+
+    def register_tensor(self, region_id: int, tensor) -> RegionDescriptor:
+        """Register a device storage with the same-host backend (gpu-ipc) and, where NIXL may
+        run, with NIXL as VRAM."""
+        register = getattr(self.shm, "register_tensor", None)
+        if register is None:
+            raise TransferError(f"transport {self.local_name} cannot share device memory")
+        desc = register(region_id, tensor)
+        self._register_with_nixl(_Registered(region_id, desc.address, desc.size, desc.shm_name, desc.device))
+        return desc
+
+    def _register_with_nixl(self, region: _Registered) -> None:
+        with self._lock:
+            self._regions.append(region)
+            if self._nixl is not None and self.policy not in LOCAL_ONLY:
+                region.register_with(self._nixl)
 
     def local_descriptors(self) -> list[RegionDescriptor]:
         return self.shm.local_descriptors()
@@ -81,7 +119,7 @@ class RoutedTransport(Transport):
         our host): empty under policy shm, under auto for a peer here (it maps our memory), and
         where NIXL is unavailable or fails to start (the peer then says so); otherwise the agent's,
         started now under auto if this is the first peer that needs it."""
-        if self.policy == "shm" or (self.policy == "auto" and peer_here):
+        if self.policy in LOCAL_ONLY or (self.policy == "auto" and peer_here):
             return b""
         try:
             nixl = self._nixl_backend("a peer that is not provably on this host asked for our KV layout")
@@ -92,8 +130,11 @@ class RoutedTransport(Transport):
 
     def choose(self, route: PeerRoute) -> str:
         """The backend a peer with `route` gets; TransferError when none can reach it."""
-        if self.policy == "shm" or (self.policy == "auto" and route.same_host):
-            return "shm"
+        if self.policy == "gpu-ipc" and not route.same_host:
+            raise TransferError(f"transport gpu-ipc reaches peers on this host only, and the peer is not provably "
+                                f"here ({route.why_not_same_host})")
+        if self.policy in LOCAL_ONLY or (self.policy == "auto" and route.same_host):
+            return self.local_name
         if self._nixl is None and self._start_nixl is None:
             raise TransferError(f"the peer is not provably on this host ({route.why_not_same_host}) and transport "
                                 f"nixl is unavailable: pip install 'pdserve[nixl]'")
@@ -128,7 +169,7 @@ class RoutedTransport(Transport):
                     raise TransferError(f"NIXL did not start: {exc}") from exc
                 try:
                     for region in self._regions:
-                        nixl.register_region(*region)
+                        region.register_with(nixl)
                 except Exception:
                     nixl.close()
                     raise
@@ -140,12 +181,12 @@ class RoutedTransport(Transport):
         return self._nixl if name == "nixl" else self.shm
 
     def take_attached(self) -> list[str]:
-        """The backend ("shm" or "nixl") of every peer attached since the last call (for metrics)."""
+        """The backend ("shm", "gpu-ipc" or "nixl") of every peer attached since the last call (for metrics)."""
         attached, self._attached = self._attached, []
         return attached
 
     def transport_of(self, peer_id: str) -> str | None:
-        """"shm" or "nixl" for an attached peer, None for an unknown one."""
+        """"shm", "gpu-ipc" or "nixl" for an attached peer, None for an unknown one."""
         return self._routes.get(peer_id)
 
     def detach_peer(self, peer_id: str) -> None:
@@ -177,21 +218,23 @@ class RoutedTransport(Transport):
 
 
 def build_transport(policy: str, shm: Transport, agent_name: str, copy_timeout_s: float,
-                    prepare: Callable[[Transport], Transport] = lambda transport: transport) -> RoutedTransport:
+                    prepare: Callable[[Transport], Transport] = lambda transport: transport,
+                    local_name: str = "shm") -> RoutedTransport:
     """The worker's transport for `policy`: NIXL starts now under policy nixl (a ConfigError when
-    it is not installed), on first need under auto (module docstring), never under shm.
-    `prepare` sees the NIXL backend once when it starts (the worker's rig hooks in there)."""
-    if policy == "shm":
-        return RoutedTransport(policy, shm)
+    it is not installed), on first need under auto (module docstring), never under shm or gpu-ipc.
+    `prepare` sees the NIXL backend once when it starts (the worker's rig hooks in there).
+    `shm` is the same-host backend, named `local_name` (device_transport.py passes gpu-ipc)."""
+    if policy in LOCAL_ONLY:
+        return RoutedTransport(policy, shm, local_name=local_name)
 
     def start_nixl() -> Transport:
         from pdserve.transport.nixl import NixlTransport
         return prepare(NixlTransport(agent_name, copy_timeout_s=copy_timeout_s))
 
     if policy == "nixl":
-        return RoutedTransport(policy, shm, start_nixl())
+        return RoutedTransport(policy, shm, start_nixl(), local_name=local_name)
     if not nixl_installed():
         logger.warning("pdserve: transport auto without NIXL (pip install 'pdserve[nixl]'): "
                        "only peers on this host can be reached")
-        return RoutedTransport(policy, shm)
-    return RoutedTransport(policy, shm, start_nixl=start_nixl)
+        return RoutedTransport(policy, shm, local_name=local_name)
+    return RoutedTransport(policy, shm, start_nixl=start_nixl, local_name=local_name)

@@ -21,6 +21,7 @@ from typing import NamedTuple
 from pdserve.errors import TransferError
 from pdserve.transport.base import Direction, RegionDescriptor, TransferStatus
 from pdserve.transport.copy_thread import CopyThreadTransport, Job, past
+from pdserve.transport.device import MemoryDevice
 from pdserve.transport.shared_segment import SharedSegment
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,11 @@ class ShmTransport(CopyThreadTransport):
             mapping = self._peers.pop(peer_id, None)
         if mapping is not None:
             mapping.close()
+
+    def _register_memory(self, address: int, size: int, device: MemoryDevice) -> None:
+        if not device.is_cpu:
+            raise TransferError(f"transport {self.name} moves host memory only, not memory on {device} "
+                                "(use transport gpu-ipc, or kv_buffer_device cpu)")
 
     def set_copy_hook(self, hook: CopyHook | None) -> None:
         """Install a hook run after each successful batch (test-only; see pdserve/faults)."""

@@ -44,3 +44,26 @@ def tensor_peer(conn, name: str) -> None:
     segment.mmap[offset : offset + len(data)] = data
     conn.send("written")
     segment.close(unlink=False)
+
+
+def gpu_ipc_owner(conn, token: str, size: int, seed: int) -> None:
+    """Own a GpuIpcTransport (CPU stand-in) with one region filled with `pattern(size, seed)`;
+    send its descriptors, then answer 'bytes' and 'exit' commands."""
+    import torch
+
+    from pdserve.transport.cpu_backend import CpuStandIn
+    from pdserve.transport.gpu_ipc import GpuIpcTransport
+
+    tensor = torch.from_numpy(pattern(size, seed).copy())
+    transport = GpuIpcTransport(CpuStandIn(token))
+    transport.register_tensor(0, tensor)
+    conn.send([d.to_wire() for d in transport.local_descriptors()])
+    while True:
+        command, *args = conn.recv()
+        if command == "bytes":
+            start, stop = args
+            conn.send(tensor[start:stop].numpy().tobytes())
+        elif command == "exit":
+            break
+    transport.close()
+    conn.send("closed")

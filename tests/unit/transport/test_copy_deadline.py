@@ -77,7 +77,7 @@ class FakeAgent:
         self.released: list[int] = []
         self.posted = 0
 
-    def register_dram(self, address, size):
+    def register(self, address, size, memory):
         pass
 
     def add_remote(self, metadata):
@@ -86,7 +86,7 @@ class FakeAgent:
     def remove_remote(self, name):
         pass
 
-    def post(self, write, local, remote, remote_name):
+    def post(self, write, local, remote, remote_name, local_segment="DRAM", remote_segment="DRAM"):
         self.posted += 1
         return self.posted, XferState.IN_PROGRESS
 

@@ -49,3 +49,45 @@ def test_out_of_range_fields_raise_protocol_error_naming_them(field, value, word
 def test_wrong_shapes_raise_protocol_error(data):
     with pytest.raises(ProtocolError, match="exactly the keys"):
         RegionDescriptor.from_wire(data)
+
+
+# ---- device regions ---------------------------------------------------------------------------
+
+IPC = ["cuda", 4242, 987654, [0, b"\x01" * 64, 1 << 20, 0, b"/torch_4242_1", 0, b"\x02" * 64, True]]
+
+
+def test_host_regions_travel_in_the_old_four_keys_and_old_descriptors_still_parse():
+    desc = RegionDescriptor.from_wire(GOOD)
+    assert desc.device.is_cpu and desc.ipc is None
+    assert set(desc.to_wire()) == set(GOOD)
+
+
+def test_device_regions_round_trip_with_device_and_ipc_handle():
+    from pdserve.transport.device import MemoryDevice
+    from pdserve.transport.ipc_handle import IpcHandle
+
+    wire = {**GOOD, "shm_name": None, "device": "cuda:1", "ipc": IPC}
+    desc = RegionDescriptor.from_wire(wire)
+    assert desc.device == MemoryDevice("cuda", 1) and desc.ipc == IpcHandle.from_wire(IPC)
+    assert RegionDescriptor.from_wire(desc.to_wire()) == desc
+    assert desc.to_wire()["device"] == "cuda:1" and desc.to_wire()["ipc"][3][1] == b"\x01" * 64
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("device", "gpu:0", ["device must be 'cpu' or 'cuda:<n>'"]),
+    ("device", "cuda:99999", ["device must be"]),
+    ("device", "cpu:1", ["no index but 0"]),
+    ("device", 0, ["device must be"]),
+    ("ipc", ["cuda", 1, 2], ["ipc handle must be"]),
+    ("ipc", ["nvlink", 1, 2, []], ["kind"]),
+    ("ipc", ["cuda", 0, 2, []], ["owner_pid"]),
+    ("ipc", ["cuda", 1, True, []], ["owner_start"]),
+    ("ipc", ["cuda", 1, 2, [1.5]], ["float"]),
+    ("ipc", ["cuda", 1, 2, [b"x" * 5000]], ["5000 bytes"]),
+    ("ipc", ["cuda", 1, 2, list(range(17))], ["at most 16"]),
+])
+def test_bad_device_fields_raise_protocol_error_naming_them(field, value, words):
+    with pytest.raises(ProtocolError) as info:
+        RegionDescriptor.from_wire({**GOOD, field: value})
+    for word in [*words, "region descriptor 0"]:
+        assert word in str(info.value)
