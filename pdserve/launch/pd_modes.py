@@ -176,8 +176,13 @@ def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = 
                     "--vllm-pd-disaggregation", "--kv-connector", "moriio"),
         registrar=registrar,
     )
-    warnings = ((sharing_warning({i.name: (i.cores, i.tp) for i in instances}, len(options.cores)),) if cores.shared
-                else ())
+    warnings = ()
+    if cores.shared:
+        warnings = (sharing_warning({i.name: (i.cores, i.tp) for i in instances}, len(options.cores)),)
+        # ranks sharing a core must not spin while they wait for each other: OpenMP's default
+        # active wait starves the other process on that core for seconds at a time
+        instances = [dataclasses.replace(i, extra_env={**i.extra_env, "OMP_WAIT_POLICY": "PASSIVE"})
+                     for i in instances]
     return Deployment(tuple(instances), router, extra_ports=ports.control_ports, warnings=warnings)
 
 

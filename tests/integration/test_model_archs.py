@@ -24,7 +24,7 @@ from tests.integration.pd_helpers import LOG_DIR
 
 pytestmark = pytest.mark.integration
 
-# llama serves in every other test; gemma2 serves collocated and through PD in test_model_archs_pd
+# llama serves in every other test; gemma2 serves collocated and through PD in test_model_matrix (P and D of different TP sizes)
 NEW_ARCHS = [name for name in ARCHS if name not in ("llama", "gemma2")]
 PORT = 27800  # and the next 20 per architecture
 MAX_TOKENS = 24

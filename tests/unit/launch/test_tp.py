@@ -72,6 +72,7 @@ def test_tp2_on_two_cores_shares_them_round_robin_with_one_warning():
     assert "3 tensor-parallel ranks on 2 cores: ranks share cores" in warning
     assert "correctness checks only" in warning and "prefill on 0|1, decode on 0" in warning
     assert instance_lines(d)[0].endswith("(prefill, tp 2, cores 0|1)")
+    assert prefill_env["OMP_WAIT_POLICY"] == decode_env["OMP_WAIT_POLICY"] == "PASSIVE"  # no spinning on a shared core
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp, binds", [
@@ -85,6 +86,7 @@ def test_tp_on_four_cores_gives_every_rank_its_own(prefill_tp, decode_tp, binds)
         argv, env = launched(instance)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == bind
         assert argv[2] == bind.replace("|", ",")  # taskset: every core its ranks use
+        assert "OMP_WAIT_POLICY" not in env
     assert d.warnings == ()
 
 

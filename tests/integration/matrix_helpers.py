@@ -1,0 +1,167 @@
+"""The model × layout × mode correctness matrix (scripts/model_matrix.py runs it whole,
+tests/integration/test_model_matrix.py a part of it in CI).
+
+A cell deploys P and D of one architecture in one layout behind vllm-router (prefix caching on,
+as by default), sends 40 prompts (shorter than a block, on block edges, past the sliding window,
+up to 2,000 tokens) and compares every answer with collocated serving of the same model under
+the comparison rule (pdserve/compare.py). Beside it: the KV bytes D received, what a transfer
+of every block of every layer would move, and, for sliding-window models, the most moving only
+each sliding-window layer's window (cdiv(window, block) + 1 blocks) may move. A configuration
+PDConnector refuses at startup is recorded with the refusal's line, never skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from pdserve.compare import compare_greedy, fetch_greedy
+from pdserve.launch import Cluster, UpOptions, plan
+from pdserve.launch.pd_modes import pd_deployment
+from pdserve.model.build import resolve_model
+from tests.integration.pd_helpers import LOG_DIR, TIMEOUTS, metric, metrics, model_name, wait_routable
+
+ARCHS = {"llama": "tiny", "sliding-window": "gemma2-tiny", "hybrid": "qwen3-next-tiny", "mla": "deepseek-v2-tiny"}
+LAYOUTS = {  # UpOptions fields of each layout
+    "1p1d": {},
+    "p-tp2-d-tp1": {"prefill_tp": 2},
+    "p-tp1-d-tp2": {"decode_tp": 2},
+    "2p1d": {"num_prefill": 2},
+}
+MODES = ("write", "read")
+BLOCK_TOKENS = 128  # vLLM's CPU KV block size
+MAX_TOKENS = 16
+CHUNK_TOKENS = 512
+RETRIES_503 = 10
+STARTUP_TIMEOUT = 900
+TIMEOUTS_MATRIX = {**TIMEOUTS, "transfer_timeout": 120, "defer_timeout": 180}  # TP ranks share 2 cores
+COUNTERS = ("pdserve:kv_transfer_bytes_total", "pdserve:kv_transfers_completed_total",
+            "pdserve:kv_transfers_failed_total", "pdserve:kv_recomputed_total")
+
+
+def matrix_prompts(count: int = 40, seed: int = 5) -> list[list[int]]:
+    """Token-id prompts: shorter than a block, on and around block edges, past a 128-token window,
+    up to 2,000 tokens."""
+    rng = random.Random(seed)
+    lengths = [1, 17, 127, 128, 129, 255, 256, 257, 383, 384, 385, 1000, 1999, 2000]
+    lengths += [rng.randrange(2, 2001) for _ in range(count - len(lengths))]
+    return [[rng.randrange(10, 4000) for _ in range(n)] for n in lengths[:count]]
+
+
+@dataclasses.dataclass(frozen=True)
+class KvShape:
+    """What one block of each attention layer weighs, and which layers are sliding-window."""
+
+    block_bytes: int  # one block of one layer, every KV head (bf16)
+    windowed: tuple[bool, ...]  # per attention layer
+    window: int | None
+
+    @classmethod
+    def of(cls, model_dir: Path) -> KvShape:
+        config = json.loads((model_dir / "config.json").read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        layers = config["num_hidden_layers"]
+        window = config.get("sliding_window")
+        types = config.get("layer_types") or (["sliding_attention" if window else "full_attention"] * layers)
+        return cls(config["num_key_value_heads"] * BLOCK_TOKENS * 2 * head_dim * 2,
+                   tuple(t == "sliding_attention" for t in types), window)
+
+    def full_bytes(self, prompts: list[list[int]]) -> int:
+        """Every block of every layer of every prompt."""
+        return sum(math.ceil(len(p) / BLOCK_TOKENS) for p in prompts) * len(self.windowed) * self.block_bytes
+
+    def window_bound(self, prompts: list[list[int]]) -> int:
+        """At most the window's blocks of each sliding-window layer, every block of the others."""
+        if self.window is None:
+            return self.full_bytes(prompts)
+        in_window = math.ceil(self.window / BLOCK_TOKENS) + 1
+        total = 0
+        for prompt in prompts:
+            blocks = math.ceil(len(prompt) / BLOCK_TOKENS)
+            total += sum(min(blocks, in_window) if w else blocks for w in self.windowed)
+        return total * self.block_bytes
+
+
+def reference(arch: str, prompts: list[list[int]], port: int) -> list:
+    """Collocated serving of the architecture's model: the answers every cell must equal."""
+    options = UpOptions(mode="collocated", model=str(resolve_model(ARCHS[arch])), port=port, enforce_eager=True)
+    with Cluster(plan(options), log_dir=LOG_DIR / f"matrix-reference-{arch}-{port}") as cluster:
+        cluster.wait_healthy(STARTUP_TIMEOUT)
+        return fetch_greedy(cluster.endpoint, prompts, max_tokens=MAX_TOKENS, concurrency=4, model=model_name(cluster))
+
+
+def run_cell(arch: str, layout: str, mode: str, port: int, prompts: list[list[int]], refs: list) -> dict:
+    """One cell's result: ok, the comparison's summary, bytes, or the refusal / error that stopped it."""
+    model_dir = resolve_model(ARCHS[arch])
+    options = dataclasses.replace(
+        UpOptions(mode=mode, model=str(model_dir), port=port, enforce_eager=True,
+                  extra_vllm_args=("--max-num-batched-tokens", str(CHUNK_TOKENS))), **LAYOUTS[layout])
+    cell = {"arch": arch, "layout": layout, "mode": mode, "prompts": len(prompts)}
+    started = time.monotonic()
+    log_dir = LOG_DIR / f"matrix-{arch}-{layout}-{mode}-{port}"
+    cluster = Cluster(pd_deployment(options, mode, connector_extra=TIMEOUTS_MATRIX), log_dir=log_dir)
+    try:
+        cluster.start()
+        cluster.wait_healthy(STARTUP_TIMEOUT)
+        wait_routable(cluster, timeout=120)
+        decode = [url for name, url in cluster.instance_urls.items() if name.startswith("decode")]
+        before = _counters(decode)
+        candidate, retried = _greedy_through_router(cluster.endpoint, prompts, model_name(cluster))
+        moved = {k: v - before[k] for k, v in _counters(decode).items()}
+    except Exception as exc:  # noqa: BLE001 - a cell that cannot start is recorded with its reason
+        refusal = _refusal(log_dir)
+        cell.update(ok=False, refused=refusal is not None, error=refusal or f"{type(exc).__name__}: {exc}"[:500])
+        return cell
+    finally:
+        cluster.stop()
+    shape = KvShape.of(model_dir)
+    result = compare_greedy(refs, candidate)
+    cell.update(ok=result.ok, summary=result.summary(), bytes_moved=int(moved[COUNTERS[0]]),
+                bytes_full=shape.full_bytes(prompts), bytes_window_bound=shape.window_bound(prompts),
+                transfers=int(moved[COUNTERS[1]]), transfers_failed=int(moved[COUNTERS[2]]),
+                recomputed=int(moved[COUNTERS[3]]), router_503_retried=retried,
+                seconds=round(time.monotonic() - started, 1))
+    return cell
+
+
+def _greedy_through_router(url: str, prompts: list[list[int]], model: str) -> tuple[list, int]:
+    """Greedy answers, 4 at a time. vllm-router forgets an instance 5 s after its last heartbeat and
+    answers 503 while it knows none of a role; with more tensor-parallel ranks than cores a
+    heartbeat can come that late. Such a request never reached an instance: it is sent again (at
+    most RETRIES_503 times, counted in the result)."""
+    retried = 0
+
+    def one(prompt: list[int]):
+        nonlocal retried
+        for attempt in range(RETRIES_503 + 1):
+            try:
+                return fetch_greedy(url, [prompt], max_tokens=MAX_TOKENS, model=model)[0]
+            except requests.HTTPError as exc:
+                if exc.response is None or exc.response.status_code != 503 or attempt == RETRIES_503:
+                    raise
+                retried += 1
+                time.sleep(2.0)
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, prompts)), retried
+
+
+def _counters(urls: list[str]) -> dict[str, float]:
+    samples = [metrics(url) for url in urls]
+    return {name: sum(metric(s, name) for s in samples) for name in COUNTERS}
+
+
+def _refusal(log_dir: Path) -> str | None:
+    """PDConnector's startup refusal, as an instance logged it."""
+    for log in sorted(log_dir.glob("*.log")) if log_dir.exists() else ():
+        for line in log.read_text(errors="replace").splitlines():
+            if "PDConnector cannot serve" in line:
+                return line[line.index("PDConnector cannot serve"):][:400]
+    return None
