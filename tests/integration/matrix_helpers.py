@@ -41,7 +41,8 @@ MAX_TOKENS = 16
 CHUNK_TOKENS = 512
 RETRIES_503 = 10
 STARTUP_TIMEOUT = 900
-TIMEOUTS_MATRIX = {**TIMEOUTS, "transfer_timeout": 120, "defer_timeout": 180}  # TP ranks share 2 cores
+# TP ranks share 2 cores: a starved rank answers a handshake late
+TIMEOUTS_MATRIX = {**TIMEOUTS, "transfer_timeout": 120, "defer_timeout": 180, "handshake_timeout": 60}
 COUNTERS = ("pdserve:kv_transfer_bytes_total", "pdserve:kv_transfers_completed_total",
             "pdserve:kv_transfers_failed_total", "pdserve:kv_recomputed_total")
 

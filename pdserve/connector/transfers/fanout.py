@@ -169,9 +169,12 @@ class Fanout:
         group = self._groups.pop(transfer_id)
         self._engine.group_ended(group.request_id, group.side, group.failed)
 
-    def tell_every_rank(self, base: PeerAddress, message) -> None:
+    def tell_every_rank(self, base: PeerAddress | None, message) -> None:
         """Send a letting-go message under a transfer's own id to every rank of the peer instance
-        (once its size is known: a handshake with its rank 0 may have to answer first)."""
+        (once its size is known: a handshake with its rank 0 may have to answer first); nobody
+        when the transfer names no peer (its params were malformed)."""
+        if base is None:
+            return
         size = self._peer_size(base)
         if size is None:
             self._letting_go = [*self._letting_go[-MAX_WAITING_WORDS + 1:], (base, message)]

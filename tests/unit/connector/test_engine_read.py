@@ -242,3 +242,14 @@ def test_cancel_on_d_releases_p_hold():
         pair.pump_until(lambda: "req-p" in pair.p.sending)  # the Release leaves once D knows P's incarnation
         assert [(s.message, s.recipient) for s in pair.d.notifier.sent] == [(Release("t1", "127.0.0.1", D_ADDRESS.notify_port), P_IDENTITY)]
         assert pair.p.notifier.sent == [], "a released hold is not answered"
+
+
+def test_a_cancel_naming_no_peer_tells_nobody_and_the_step_goes_on():
+    """Malformed params name no peer: D's cancel of such a leg must not stop the rest of its step."""
+    with Pair(READ) as pair:
+        pair.d.engine.cancel(CancelSpec("t-bad", None, "decode rejected the prefill's kv_transfer_params"))
+        hold(pair)
+        pair.p.finished_req_ids.add("req-p")
+        pair.d.engine.cancel(CancelSpec("t1", P_ADDRESS, "request ended before decode allocated its blocks"))
+        pair.pump_until(lambda: "req-p" in pair.p.sending)
+        assert [s.message.transfer_id for s in pair.d.notifier.sent] == ["t1"]
