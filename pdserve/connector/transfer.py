@@ -206,11 +206,3 @@ class Transfer:
                 pairs.append((local[i], remote[i]))
             out.append(pairs)
         return out
-
-    def block_pairs(self) -> list[tuple[int, int]]:
-        """(local, remote) block pairs to move, from `first_block` on. Both sides must name the
-        same number of blocks: a mismatch means the two legs are not the same prompt."""
-        remote = self.remote_block_ids or ()
-        if len(remote) != len(self.local_block_ids):
-            raise PDServeError(f"block counts differ: {len(self.local_block_ids)} here, {len(remote)} on the peer")
-        return [(self.local_block_ids[i], remote[i]) for i in range(self.first_block, len(remote))]

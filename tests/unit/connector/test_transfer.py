@@ -56,16 +56,16 @@ def test_terminal_states_never_move_and_the_error_names_both_states(first, then,
 
 
 def test_block_pairs_start_at_first_block():
-    assert make().block_pairs() == [(1, 10), (2, 11), (3, 12)]
-    assert make(first_block=1).block_pairs() == [(2, 11), (3, 12)]
-    assert make(first_block=3).block_pairs() == []
+    assert make().group_pairs() == [[(1, 10), (2, 11), (3, 12)]]
+    assert make(first_block=1).group_pairs() == [[(2, 11), (3, 12)]]
+    assert make(first_block=3).group_pairs() == [[]]
 
 
 @pytest.mark.parametrize("remote", [(10, 11), (10, 11, 12, 13), None])
 def test_block_pairs_refuse_lists_of_different_lengths(remote):
     """Both legs must name the same number of blocks: a shorter or longer list is another prompt."""
     with pytest.raises(PDServeError, match="block counts differ"):
-        make(remote=remote).block_pairs()
+        make(remote=remote).group_pairs()
 
 
 def test_each_leg_kind_names_its_phases():
