@@ -39,16 +39,20 @@ def omp_threads_bind(cores: tuple[int, ...], tp: int) -> str:
 def divide_cores(cores: tuple[int, ...], num_prefill: int, num_decode: int, prefill_tp: int = 1,
                  decode_tp: int = 1) -> CorePlan:
     """Every rank its own cores where there are enough (all cores used, near-equal shares).
-    Otherwise prefill and decode keep separate cores while the cores suffice for one instance of
-    each to have a core per rank (split in proportion to their numbers of ranks), and the instances
-    of one role share theirs; with fewer still, the ranks take all cores round-robin."""
+    Otherwise, given two cores or more, prefill and decode still keep separate cores (split in
+    proportion to their numbers of ranks, at least one each) and the ranks of one role share that
+    role's cores: a rank of D beside P on one core would slow P's prefill to a fraction of the core
+    (measured: vLLM's engine loop steps without pause while a request waits for its KV, and its
+    workers spin waiting for each step), which is the stall PD exists to avoid. With one core,
+    every rank takes it."""
     num_prefill_ranks, num_decode_ranks = num_prefill * prefill_tp, num_decode * decode_tp
     total = num_prefill_ranks + num_decode_ranks
-    if len(cores) >= total or len(cores) < prefill_tp + decode_tp:
+    if len(cores) >= total or len(cores) < 2:
         ranks = split(cores, total)
         prefill, decode = ranks[:num_prefill_ranks], ranks[num_prefill_ranks:]
     else:
-        num_prefill_cores = min(len(cores) - decode_tp, max(prefill_tp, round(len(cores) * num_prefill_ranks / total)))
+        wanted = round(len(cores) * num_prefill_ranks / total)
+        num_prefill_cores = min(len(cores) - min(decode_tp, len(cores) - 1), max(min(prefill_tp, len(cores) - 1), wanted))
         prefill = split(cores[:num_prefill_cores], num_prefill_ranks)
         decode = split(cores[num_prefill_cores:], num_decode_ranks)
     return CorePlan(_by_instance(prefill, prefill_tp), _by_instance(decode, decode_tp), shared=len(cores) < total)

@@ -61,17 +61,17 @@ def test_the_1p1d_layout_with_a_two_rank_prefill():
     assert d.extra_ports == (29004, 29005, 29006, 29007, 29008, 29009, 29010, 29011) and d.router.port == 29012
 
 
-def test_tp2_on_two_cores_shares_them_round_robin_with_one_warning():
+def test_tp2_on_two_cores_keeps_prefill_and_decode_apart_with_one_warning():
     d = deployment(prefill_tp=2, cores=(0, 1))
     (prefill_argv, prefill_env), (decode_argv, decode_env) = (launched(i) for i in d.instances)
-    assert prefill_argv[:3] == ("taskset", "-c", "0,1") and prefill_env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
-    assert decode_argv[:3] == ("taskset", "-c", "0") and decode_env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert prefill_argv[:3] == ("taskset", "-c", "0") and prefill_env["VLLM_CPU_OMP_THREADS_BIND"] == "0|0"
+    assert decode_argv[:3] == ("taskset", "-c", "1") and decode_env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert prefill_argv[prefill_argv.index("--tensor-parallel-size") + 1] == "2"
     assert "--tensor-parallel-size" not in decode_argv
     (warning,) = d.warnings
     assert "3 tensor-parallel ranks on 2 cores: ranks share cores" in warning
-    assert "correctness checks only" in warning and "prefill on 0|1, decode on 0" in warning
-    assert instance_lines(d)[0].endswith("(prefill, tp 2, cores 0|1)")
+    assert "correctness checks only" in warning and "prefill on 0|0, decode on 1" in warning
+    assert instance_lines(d)[0].endswith("(prefill, tp 2, cores 0|0)")
     assert prefill_env["OMP_WAIT_POLICY"] == decode_env["OMP_WAIT_POLICY"] == "PASSIVE"  # no spinning on a shared core
 
 
@@ -107,10 +107,17 @@ def test_ranks_own_cores_where_there_are_enough_and_taskset_covers_them(num_core
         assert len(used) == len(set(used)) and d.warnings == ()  # no core twice
     else:
         assert len(d.warnings) == 1 and "ranks share cores" in d.warnings[0]
+    if num_cores >= 2:  # prefill and decode never share a core
+        prefill_cores = {c for i in d.instances if i.name.startswith("prefill") for c in ranks_of(i)}
+        assert prefill_cores.isdisjoint(c for i in d.instances if i.name.startswith("decode") for c in ranks_of(i))
     if num_cores >= prefill_tp + decode_tp:  # then the ranks of one instance never share a core
         for instance in d.instances:
             groups = instance.cpu_binding.split("|")
             assert len(set(groups)) == len(groups)
+
+
+def ranks_of(instance) -> set[int]:
+    return {int(c) for group in instance.cpu_binding.split("|") for c in group.split(",")}
 
 
 @pytest.mark.parametrize("mode", ["collocated", "round-robin"])
@@ -145,7 +152,7 @@ def test_nixl_gives_each_rank_a_core_from_the_first_ones(monkeypatch):
     assert [i.cpu_binding for i in d.instances] == ["0|1", "2"] and d.warnings == ()
     assert "--tensor-parallel-size" in launched(d.instances[0])[0]
     shared = nixl(UpOptions(mode="nixl", model="/m", port=29000, cores=(0, 1), decode_tp=2))
-    assert [i.cpu_binding for i in shared.instances] == ["0", "0|1"] and len(shared.warnings) == 1
+    assert [i.cpu_binding for i in shared.instances] == ["0", "1|1"] and len(shared.warnings) == 1
 
 
 def test_two_host_passes_the_size_and_the_cores_of_each_role(tmp_path):
