@@ -3,6 +3,12 @@ and READ mode, plus preemption on P and D (a KV cache small enough to force it).
 per cell and writes benchmarks/fault-matrix/results.json and README.md.
 
     .venv/bin/python scripts/fault_matrix.py [--modes write read] [--cells "drop read_ack" ...]
+
+With --prefill-tp 2 it runs the cells that kill or restart an instance, plus one that kills a
+single rank of P, with P at tensor-parallel size 2 and D at 1 (results in
+benchmarks/fault-matrix/p-tp2-d-tp1/ unless --out says otherwise):
+
+    .venv/bin/python scripts/fault_matrix.py --prefill-tp 2 --no-preemption
 """
 
 from __future__ import annotations
@@ -18,7 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdserve.compare import fetch_greedy  # noqa: E402
-from pdserve.faults.matrix import MAX_TOKENS, TIMEOUTS, Cell, Matrix, as_dict, cells  # noqa: E402
+from pdserve.faults.matrix import (  # noqa: E402
+    MAX_TOKENS,
+    TIMEOUTS,
+    Cell,
+    Matrix,
+    as_dict,
+    cells,
+    restart_and_kill_cells,
+)
 from pdserve.launch import Cluster, UpOptions, plan  # noqa: E402
 from pdserve.launch.modes import with_front  # noqa: E402
 from pdserve.launch.pd_modes import pd_deployment  # noqa: E402
@@ -39,8 +53,10 @@ LONG = (1500, 1600, 1700, 1800, 1400, 1300, 1650, 1550)  # 8 at once, 300 tokens
 PREEMPT_TOKENS = 300
 
 
-def options(mode: str, kv_cache_bytes: int | None = None) -> UpOptions:
+def options(mode: str, kv_cache_bytes: int | None = None, prefill_tp: int = 1) -> UpOptions:
     extra = {"kv_cache_bytes": kv_cache_bytes} if kv_cache_bytes else {}
+    if prefill_tp > 1:
+        extra["prefill_tp"] = prefill_tp
     return UpOptions(mode=mode, model=str(resolve_model("tiny")), port=PORTS[mode], enforce_eager=True,
                      extra_vllm_args=("--max-num-batched-tokens", "512"), **extra)
 
@@ -55,13 +71,13 @@ LOG_DIR: Path | None = None
 
 
 def run_mode(mode: str, batch, ref, selected: set[str] | None, kv_cache_bytes: int | None = None,
-             chosen: list[Cell] | None = None, concurrency: int = 4) -> list[dict]:
+             chosen: list[Cell] | None = None, concurrency: int = 4, prefill_tp: int = 1) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="pdserve-faults-") as tmp:
         plan_path = Path(tmp) / "plan.json"
         plan_path.write_text(json.dumps({"rules": []}))
-        deployment = with_front(pd_deployment(options(mode, kv_cache_bytes), mode,
+        deployment = with_front(pd_deployment(options(mode, kv_cache_bytes, prefill_tp), mode,
                                               connector_extra={**TIMEOUTS, "test_fault_plan": str(plan_path)}), 5.0)
-        log_dir = LOG_DIR / f"{mode}-{kv_cache_bytes or 'default'}" if LOG_DIR else None
+        log_dir = LOG_DIR / f"{mode}-{kv_cache_bytes or 'default'}-ptp{prefill_tp}" if LOG_DIR else None
         with Cluster(deployment, restart="on-failure", log_dir=log_dir) as cluster:
             cluster.wait_healthy(600)
             model = fetch_model(cluster)
@@ -69,11 +85,12 @@ def run_mode(mode: str, batch, ref, selected: set[str] | None, kv_cache_bytes: i
             matrix._wait_back("decode")
             matrix.warm_up(matrix.reference_tokens)
             out = []
-            for cell in chosen or cells(mode):
+            for cell in chosen or (restart_and_kill_cells(mode, prefill_tp) if prefill_tp > 1 else cells(mode)):
                 if selected and cell.name not in selected:
                     continue
                 started = time.monotonic()
                 result = as_dict(matrix.run(cell))
+                result["prefill_tp"] = prefill_tp
                 result["cell_seconds"] = round(time.monotonic() - started, 1)
                 print(json.dumps(result), flush=True)
                 out.append(result)
@@ -91,7 +108,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--modes", nargs="+", default=["write", "read"])
     parser.add_argument("--cells", nargs="*", default=None)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "fault-matrix"))
+    parser.add_argument("--prefill-tp", type=int, default=1,
+                        help="P's tensor-parallel size (above 1: only the restart and kill cells, and a rank killed)")
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/fault-matrix, "
+                        "or its p-tp<N>-d-tp1/ with --prefill-tp N)")
     parser.add_argument("--log-dir", default=None, help="keep the instances' logs here")
     parser.add_argument("--no-preemption", action="store_true")
     parser.add_argument("--update", action="store_true",
@@ -103,19 +123,23 @@ def main() -> int:
     ref, long_ref = reference((batch, MAX_TOKENS), (long_batch, PREEMPT_TOKENS))
     results = []
     for mode in args.modes:
-        results += run_mode(mode, batch, ref, set(args.cells) if args.cells else None)
+        results += run_mode(mode, batch, ref, set(args.cells) if args.cells else None, prefill_tp=args.prefill_tp)
         if not args.no_preemption:
             results += run_mode(mode, long_batch, long_ref, None, kv_cache_bytes=PREEMPT_KV_BYTES,
                                 chosen=[Cell("preemption (small KV cache on P and D)", max_tokens=PREEMPT_TOKENS)],
                                 concurrency=8)
-    out = Path(args.out)
+    default_out = ROOT / "benchmarks" / "fault-matrix"
+    if args.prefill_tp > 1:
+        default_out = default_out / f"p-tp{args.prefill_tp}-d-tp1"
+    out = Path(args.out) if args.out else default_out
     out.mkdir(parents=True, exist_ok=True)
     if args.update and (out / "results.json").exists():
         fresh = {(r["mode"], r["cell"]): r for r in results}
         old = json.loads((out / "results.json").read_text())
         results = [fresh.pop((r["mode"], r["cell"]), r) for r in old] + list(fresh.values())
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    lines = ["# Fault matrix (tiny model, real vLLM, through the front and vllm-router)", "",
+    layout = f", P tensor-parallel size {args.prefill_tp}, D 1" if args.prefill_tp > 1 else ""
+    lines = [f"# Fault matrix (tiny model{layout}, real vLLM, through the front and vllm-router)", "",
              f"Deadlines: {TIMEOUTS}; load_failure_policy recompute; {len(batch)} requests per cell, 4 at a time "
              "(kill cells: the prompts 30 times over, the instance SIGKILLed 1 s in, the front resending or continuing "
              "its requests on the live instance; preemption cells: 8 long prompts, 300 tokens each, 8 at a time, "

@@ -42,14 +42,16 @@ class Cell:
     name: str
     rules: tuple[dict, ...] = ()  # fault-plan rules in force during the burst
     kill: str = ""  # "prefill" | "decode": SIGKILL its process group during the burst
+    kill_rank: int | None = None  # with kill: SIGKILL only this tensor-parallel rank's worker process
     restart_first: str = ""  # "prefill" | "decode": kill and let it restart *before* the burst
     disconnect: bool = False  # clients hang up after the first tokens
     max_tokens: int = MAX_TOKENS
     repeat: int = 1  # send the prompts this many times (a kill must land while requests are in flight)
 
 
-def cells(mode: str) -> list[Cell]:
-    """Every cell of the matrix for `mode` ("write" | "read")."""
+def cells(mode: str, prefill_tp: int = 1) -> list[Cell]:
+    """Every cell of the matrix for `mode` ("write" | "read"); with a prefill of `prefill_tp` > 1
+    ranks, also one where P's last rank alone is killed mid-transfer."""
     slow = TIMEOUTS["release_grace"] + 1.5
     past = TIMEOUTS["transfer_timeout"] + 2
     if mode == "write":
@@ -77,7 +79,15 @@ def cells(mode: str) -> list[Cell]:
         Cell("prefill restarted", restart_first="prefill"),
         Cell("decode restarted", restart_first="decode"),
     ]
+    if prefill_tp > 1:
+        out.append(Cell(f"prefill rank {prefill_tp - 1} killed", kill="prefill", kill_rank=prefill_tp - 1,
+                        repeat=KILL_REPEAT))
     return out
+
+
+def restart_and_kill_cells(mode: str, prefill_tp: int = 1) -> list[Cell]:
+    """The cells that kill or restart an instance (or one of its ranks)."""
+    return [c for c in cells(mode, prefill_tp) if c.kill or c.restart_first]
 
 
 @dataclass
@@ -152,7 +162,8 @@ class Matrix:
             self._wait_back(cell.kill)
         result.idle_seconds = self._wait_idle(TIMEOUTS["defer_timeout"] + 20)
         if cell.kill:
-            result.note = f"killed {cell.kill} 1 s into {len(outcomes)} requests"
+            what = cell.kill if cell.kill_rank is None else f"{cell.kill} rank {cell.kill_rank}"
+            result.note = f"killed {what} 1 s into {len(outcomes)} requests"
         result.next_ok = self._next_ok()
         after = {url: metrics_by_name(url) for url in (self.prefill_url, self.decode_url)}
         if not (cell.kill or cell.restart_first):
@@ -184,7 +195,7 @@ class Matrix:
 
         killer = None
         if cell.kill:
-            killer = threading.Timer(1.0, self._kill, args=(cell.kill,))
+            killer = threading.Timer(1.0, self._kill, args=(cell.kill, cell.kill_rank))
             killer.start()
         with ThreadPoolExecutor(self.concurrency) as pool:
             outcomes = list(pool.map(one, self.prompts * cell.repeat))
@@ -197,9 +208,14 @@ class Matrix:
     def _process(self, name: str):
         return next(p for p in self.cluster.instances if p.spec.name == name)
 
-    def _kill(self, name: str) -> None:
+    def _kill(self, name: str, rank: int | None = None) -> None:
+        """SIGKILL instance `name` (its process group), or only its rank `rank`'s worker process."""
         try:
-            os.killpg(self._process(name).pid, signal.SIGKILL)
+            group = self._process(name).pid
+            if rank is None:
+                os.killpg(group, signal.SIGKILL)
+            else:
+                os.kill(rank_worker(group, rank), signal.SIGKILL)
         except (ProcessLookupError, TypeError):
             pass
 
@@ -275,3 +291,18 @@ def _idle(url: str) -> bool:
 
 def as_dict(result: CellResult) -> dict:
     return asdict(result)
+
+
+def rank_worker(group: int, rank: int) -> int:
+    """The pid of tensor-parallel rank `rank`'s worker in process group `group` (vLLM names it
+    VLLM::Worker_TP<rank>); ProcessLookupError if there is none."""
+    title = f"VLLM::Worker_TP{rank}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) == group and (entry / "cmdline").read_bytes().split(b"\0")[0] == title:
+                return int(entry.name)
+        except (OSError, ValueError):
+            continue
+    raise ProcessLookupError(f"no worker of rank {rank} in process group {group}")
