@@ -21,7 +21,8 @@ from pdserve.placement.config import PLACEMENT_KEYS, PlacementConfig, parse_plac
 SECRET_FILE_ENV = "PDSERVE_SECRET_FILE"
 FAULT_PLAN_ENV = "PDSERVE_FAULT_PLAN"  # test-only: path of a fault plan (pdserve/faults)
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-TRANSPORTS = ("auto", "shm", "nixl")  # auto: shm for a peer proven on this host, NIXL otherwise
+TRANSPORTS = ("auto", "shm", "nixl", "gpu-ipc")  # auto: shm (gpu-ipc for KV on a GPU) for a peer proven on this host, NIXL otherwise
+KV_BUFFER_DEVICES = ("cpu", "cuda")  # where KV moves from: host memory, or the GPU it lives on
 _HOST_NAME = re.compile(r"^(?=.*[A-Za-z])[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
 
@@ -58,6 +59,14 @@ class ConnectorConfig:
     test_corrupt_transfers: bool  # test-only, read by the fault rig (pdserve/faults): flip bytes after every copy
     test_fault_plan: str | None  # test-only, read by the fault rig (pdserve/faults): fault-injection plan file
     placement: PlacementConfig = PlacementConfig()  # per-request placement (pdserve/placement/)
+    kv_buffer_device: str = "cpu"  # cpu: KV on a GPU moves through a pinned host mirror; cuda: from the GPU
+    kv_device: str = "cpu"  # where vLLM keeps the KV cache (its platform's device type)
+
+    @property
+    def host_staging(self) -> bool:
+        """KV on a GPU moved through host memory. With the KV in host memory kv_buffer_device cpu
+        is the KV's own device: there is nothing to stage."""
+        return self.kv_buffer_device == "cpu" and self.kv_device != "cpu"
 
     @property
     def engine_id(self) -> str:
@@ -72,7 +81,7 @@ _KNOWN_KEYS = {
     "handshake_port", "notify_port", "read_mode", "host_ip", "proxy_ip", "proxy_ping_port",
     "http_port", "transfer_timeout", "defer_timeout", "handshake_timeout", "release_grace",
     "heartbeat_interval", "transport", "secret_file", "test_corrupt_transfers", "allowed_peers",
-    "peer_idle_timeout", "load_failure_policy", "test_fault_plan", *PLACEMENT_KEYS,
+    "peer_idle_timeout", "load_failure_policy", "test_fault_plan", "kv_buffer_device", *PLACEMENT_KEYS,
 }
 
 
@@ -126,9 +135,12 @@ def _allowed_peers(value: Any, host_ip: str) -> tuple[str, ...]:
 
 
 def parse_connector_config(
-    kv_role: str, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    kv_role: str, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None,
+    vllm_kv_buffer_device: str | None = None, kv_device: str = "cpu",
 ) -> ConnectorConfig:
-    """Build the config from vLLM's `kv_role` and `kv_connector_extra_config`."""
+    """Build the config from vLLM's `kv_role` and `kv_connector_extra_config`; `vllm_kv_buffer_device`
+    is vLLM's own `kv_transfer_config.kv_buffer_device`, `kv_device` the device type vLLM keeps
+    the KV cache on."""
     extra = dict(extra or {})
     env = os.environ if env is None else env
     unknown = sorted(set(extra) - _KNOWN_KEYS)
@@ -149,6 +161,8 @@ def parse_connector_config(
     transport = str(extra.get("transport", "auto"))
     if transport not in TRANSPORTS:
         raise ConfigError(f"unknown transport {transport!r} (available: {', '.join(TRANSPORTS)})")
+    kv_buffer_device = _kv_buffer_device(extra, vllm_kv_buffer_device, kv_device)
+    _check_transport_reaches_kv(transport, kv_buffer_device, kv_device)
     proxy_ip = extra.get("proxy_ip") or None
     proxy_port = extra.get("proxy_ping_port")
     if bool(proxy_ip) != bool(proxy_port):
@@ -182,6 +196,8 @@ def parse_connector_config(
         test_corrupt_transfers=_bool("test_corrupt_transfers", extra.get("test_corrupt_transfers", False)),
         test_fault_plan=str(extra.get("test_fault_plan") or env.get(FAULT_PLAN_ENV) or "") or None,
         placement=placement,
+        kv_buffer_device=kv_buffer_device,
+        kv_device=kv_device,
     )
 
 
@@ -190,3 +206,32 @@ def _policy(value: Any) -> str:
         raise ConfigError(f"kv_connector_extra_config.load_failure_policy must be one of "
                           f"{', '.join(LOAD_FAILURE_POLICIES)}, got {value!r}")
     return value
+
+
+def _kv_buffer_device(extra: Mapping[str, Any], vllm_value: str | None, kv_device: str) -> str:
+    """pdserve's `kv_buffer_device`; without it vLLM's field of that name (same meaning: `cpu`
+    stages a GPU's KV in host memory, as vLLM's NixlConnector does); without both the KV's own
+    device."""
+    if "kv_buffer_device" in extra:
+        value, field = extra["kv_buffer_device"], "kv_connector_extra_config.kv_buffer_device"
+    elif vllm_value is not None:
+        value, field = vllm_value, "kv_transfer_config.kv_buffer_device (vLLM's, read when pdserve's is absent)"
+    else:
+        return kv_device
+    if value not in KV_BUFFER_DEVICES:
+        raise ConfigError(f"{field} must be cpu (KV on a GPU moves through host memory) or cuda (it moves "
+                          f"from the GPU), got {value!r}")
+    return value
+
+
+def _check_transport_reaches_kv(transport: str, kv_buffer_device: str, kv_device: str) -> None:
+    """ConfigError for a transport that cannot move the KV from where it moves from."""
+    from_host = kv_device == "cpu" or kv_buffer_device == "cpu"
+    if transport == "gpu-ipc" and from_host:
+        where = "the KV cache is in host memory" if kv_device == "cpu" else "kv_buffer_device cpu stages it there"
+        raise ConfigError(f"kv_connector_extra_config.transport gpu-ipc moves GPU memory, but {where}: "
+                          "use transport auto, shm or nixl")
+    if transport == "shm" and not from_host:
+        raise ConfigError(f"kv_connector_extra_config.transport shm moves host memory, but the KV cache is on "
+                          f"{kv_device} and kv_buffer_device is cuda: use transport gpu-ipc, auto or nixl, or "
+                          "kv_buffer_device cpu")

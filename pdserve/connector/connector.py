@@ -108,7 +108,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         route_logs_to_vllm()
         transfer_config = vllm_config.kv_transfer_config
-        self._config = parse_connector_config(transfer_config.kv_role, transfer_config.kv_connector_extra_config)
+        self._config = parse_connector_config(transfer_config.kv_role, transfer_config.kv_connector_extra_config,
+                                              vllm_kv_buffer_device=transfer_config.kv_buffer_device,
+                                              kv_device=vllm_config.device_config.device_type)
         check_supported(vllm_config, self._config.placement.adaptive)
         groups = KvGroups.from_kv_cache_config(kv_cache_config, vllm_config.cache_config.block_size)
         self._scheduler: PDScheduler | None = None

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import queue
 import time
+from collections import OrderedDict
 from typing import Callable
 
 from pdserve.config import ConnectorConfig, TransferMode
@@ -46,12 +47,14 @@ from pdserve.connector.transfers.write_send import RELEASED_BY_DECODE
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
 from pdserve.transport.base import Direction, TransferStatus, Transport
+from pdserve.transport.staged import StagedTransport
 
 __all__ = ["Finished", "Notifier", "TransferEngine", "TransferStats"]
 
 logger = logging.getLogger("pdserve.connector")
 
 LIVENESS_EVERY_S = 0.5
+MAX_UNSTAGED = 4096
 
 
 class TransferEngine:
@@ -60,6 +63,9 @@ class TransferEngine:
         self.config = config
         self._layout = layout
         self._transport = transport
+        # KV on a GPU staged in host memory: P stages held blocks, D lands written ones (staged.py)
+        self.staging = transport if isinstance(transport, StagedTransport) else None
+        self.unstaged: OrderedDict[str, str] = OrderedDict()  # P READ: transfer id -> why its KV never reached the mirror
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         allow = PeerAllowList(config.allowed_peers)
         self._peers = PeerTable(transport, handshake, self._inbox.put, allow, config.peer_idle_timeout)
@@ -293,6 +299,24 @@ class TransferEngine:
         handle = self._transport.submit(peer.key, direction, batch, not_after=t.copies.not_after)
         t.copies.handles.append(handle)
         t.copies.num_bytes += handle.num_bytes
+
+    def land(self, t: Transfer) -> None:
+        """D WRITE, host staging: copy the blocks P wrote into our mirror on to the device (from
+        `first_block` on, as P wrote them), bounded by `t`'s deadline."""
+        try:
+            pairs = dataclasses.replace(t, remote_block_ids=t.local_block_ids).group_pairs(self._layout.group_windowed)
+            batch = self._layout.layer_ops(self._layout, range(self.num_layers), pairs)
+        except PDServeError as exc:
+            self.stop(t, str(exc), tell_peer=True)
+            return
+        t.copies.handles.append(self.staging.land(batch, not_after=t.deadline))
+
+    def stage_failed(self, transfer_id: str, error: str) -> None:
+        """P READ, host staging: the held KV of `transfer_id` never reached the mirror; D's read of it
+        is answered with `error` (read_hold.py)."""
+        self.unstaged[transfer_id] = error
+        while len(self.unstaged) > MAX_UNSTAGED:
+            self.unstaged.popitem(last=False)
 
     def _check_copies(self, t: Transfer) -> None:
         if t.state.is_terminal or t.copies.pending:

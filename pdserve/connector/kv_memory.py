@@ -1,19 +1,31 @@
-"""`KvMemory`: the worker's KV cache, moved into shared memory and registered with the transport.
+"""`KvMemory`: the worker's KV cache, registered with the transport.
 
 It knows the layout peers copy into (`layout`), the fingerprint a peer must match to copy at all
-(`fingerprint`), and which vLLM layer name is which layer index (`layer_index`). The segments
-have no name once registered: nothing of them outlives the process; `close` unmaps them.
+(`fingerprint`), and which vLLM layer name is which layer index (`layer_index`).
+
+KV in host memory (`register`) is moved into shared memory; the segments have no name once
+registered: nothing of them outlives the process; `close` unmaps them. KV on a GPU
+(`register_device`) stays where vLLM put it: each storage is registered with the device transport
+(device_transport.py), each layer placed from its tensor's strides (device_layout.py), and the
+fingerprint names the device and every layer's block format instead of the CPU's ISA.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
+from pdserve.connector.device_layout import HEAD, VLLM_VIEW_ROLES, KvTensorLayout
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.layout import KvLayout, LayerPlacement, cpu_isa
+from pdserve.connector.layout import KvLayout, LayerPlacement, Placement, cpu_isa
 from pdserve.errors import PDServeError
 from pdserve.transport.base import Transport
+from pdserve.transport.device_transport import register_device_tensors
 from pdserve.transport.shm_tensor import move_tensors_to_shared_memory
+
+# ranks of other tensor-parallel sizes hold other numbers of heads; a format with one head per
+# rank has no head dim at all, so such peers are refused (docs/gpu.md)
+_HEAD_COUNT = re.compile(rf"(?<![a-z]){HEAD}\d+")
 
 
 class KvMemory:
@@ -24,6 +36,7 @@ class KvMemory:
         self.fingerprint: dict = {}
         self.layout: KvLayout | None = None
         self.layer_index: dict[str, int] = {}
+        self.head_major = True  # a block's heads are its outermost dim: ranks of other TP sizes copy head ranges
         self._segments: list = []
 
     def register(self, kv_caches: dict, transport: Transport, local_heads: int | None) -> None:
@@ -36,7 +49,7 @@ class KvMemory:
         for index, (name, tensor) in enumerate(kv_caches.items()):
             if not tensor.is_contiguous():
                 raise PDServeError(f"KV cache of {name} is not contiguous; PDConnector needs block-contiguous KV")
-            if local_heads is not None and (tensor.dim() != 4 or tensor.shape[1] != local_heads):
+            if local_heads is not None and not heads_outermost(tensor, local_heads):
                 raise PDServeError(f"KV cache of {name} has shape {list(tensor.shape)}; PDConnector needs "
                                    f"[blocks, {local_heads} heads, block size, head bytes]")
             placement = placements[name]
@@ -50,6 +63,30 @@ class KvMemory:
             block_bytes = tensor.stride(0) * tensor.element_size()
             layers.append(LayerPlacement(region_ids[id(segment)], placement.byte_offset, block_bytes, tensor.shape[0]))
             self.layer_index[name] = index
+        self._describe(kv_caches, layers, {"cpu_isa": cpu_isa()})
+
+    def register_device(self, kv_caches: dict, transport, local_heads: int | None) -> None:
+        """`register` for KV on a GPU: vLLM's per-layer views `[blocks, heads, tokens, content]`
+        in any stride order; `transport` has `register_tensor` (device_transport.py)."""
+        for name, tensor in kv_caches.items():
+            if local_heads is not None and (tensor.dim() != 4 or tensor.shape[1] != local_heads):
+                raise PDServeError(f"KV cache of {name} has shape {list(tensor.shape)}; PDConnector needs "
+                                   f"[blocks, {local_heads} heads, block size, head bytes]")
+        placements = register_device_tensors(kv_caches, transport)
+        layers, formats = [], []
+        for index, (name, tensor) in enumerate(kv_caches.items()):
+            tensor_layout = KvTensorLayout.from_tensor(tensor, VLLM_VIEW_ROLES, placements[name].region_id)
+            layers.append(_placement(tensor_layout))
+            formats.append(_HEAD_COUNT.sub(HEAD, tensor_layout.block_format()))
+            self.head_major = self.head_major and formats[-1].startswith(f"block:{HEAD}:")
+            self.layer_index[name] = index
+        first = next(iter(kv_caches.values()))
+        self._describe(kv_caches, layers, {"kv_device": device_name(first),
+                                           "kv_block_format": "|".join(sorted(set(formats)))})
+
+    def _describe(self, kv_caches: dict, layers: list[Placement], memory: dict) -> None:
+        """Set the fingerprint (the model's, the KV's, and `memory`: what decides how a block's
+        bytes are packed) and the layout."""
         first = next(iter(kv_caches.values()))
         # per head: what must match between ranks of any tensor-parallel sizes (heads per rank may differ)
         shapes = "|".join(f"{name}:{t.dtype}:{list(t.shape[2:])}:{t.stride(1)}" for name, t in kv_caches.items())
@@ -61,7 +98,7 @@ class KvMemory:
             "kv_layer_shapes": hashlib.sha256(shapes.encode()).hexdigest()[:16],
             "kv_regions": [layer.region_id for layer in layers],
             "kv_groups": list(self._groups.described),
-            "cpu_isa": cpu_isa(),
+            **memory,
         }
         groups = tuple(self._groups.group_of(name) for name in kv_caches) if self._groups.num_groups > 1 else ()
         self.layout = KvLayout(tuple(layers), groups, self._groups.windowed)
@@ -70,3 +107,27 @@ class KvMemory:
         for segment in self._segments:
             segment.close()
         self._segments = []
+
+
+def heads_outermost(tensor, heads: int) -> bool:
+    """Whether each block of `tensor` holds `heads` heads outermost, `[blocks, heads, ...]`, or is
+    an MLA block of one latent per token, `[blocks, block size, latent]`, which every rank holds
+    whole (one head for the rank mapping)."""
+    return (tensor.dim() == 4 and tensor.shape[1] == heads) or (tensor.dim() == 3 and heads == 1)
+
+
+def _placement(tensor_layout: KvTensorLayout) -> Placement:
+    """A layer whose blocks are one range each, back to back, as the host KV's `LayerPlacement`
+    (the same wire form); block runs otherwise."""
+    runs = tensor_layout.blocks()
+    if runs.contiguous and runs.block_stride == runs.run_bytes:
+        return LayerPlacement(runs.region_id, runs.offset + runs.run_offsets[0], runs.run_bytes, runs.num_blocks)
+    return runs
+
+
+def device_name(tensor) -> str:
+    """What decides how the device packs a KV block: the GPU's name; for CPU tensors standing in
+    for a device (tests, gpu_check --device cpu) the CPU's ISA."""
+    import torch
+
+    return torch.cuda.get_device_name(tensor.device) if tensor.is_cuda else cpu_isa()

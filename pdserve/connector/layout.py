@@ -5,6 +5,10 @@ block_size, 2*head_size]`, block-contiguous, and packs the bytes of each head in
 ISA-specifically (AMX tiles), so blocks (or, between ranks of different tensor-parallel sizes,
 each block's range of shared heads) move as opaque bytes and both sides must agree on dtype, block
 size, per-head layout and ISA. That agreement is the fingerprint, checked in the handshake.
+
+KV on a GPU (device_layout.py) is placed the same way when each block is one range of bytes, and
+as a `BlockRuns` (several runs per block, `block_stride` apart) otherwise; only the latter has
+its own form on the wire, so a host KV's layer table reads as it always did.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pdserve.connector.device_layout import MAX_RUNS, BlockRuns
 from pdserve.connector.ranks import Slicing
 from pdserve.errors import IncompatiblePeerError, ProtocolError
 from pdserve.transport.base import CopyOp, RegionOps, merge_contiguous
@@ -22,6 +27,7 @@ MAX_REGION_ID = (1 << 16) - 1
 MAX_OFFSET = 1 << 48  # bytes: far beyond any KV cache, far below int64 overflow
 MAX_BLOCK_BYTES = 1 << 32
 MAX_NUM_BLOCKS = 1 << 32
+RUNS_HEADER = 5  # ints before a BlockRuns' run offsets on the wire
 
 
 def _check_int(value, name: str, low: int, high: int, where: str) -> None:
@@ -62,9 +68,44 @@ class LayerPlacement:
         return cls(*data)
 
 
+def runs_to_wire(runs: BlockRuns) -> list[int]:
+    """[region_id, offset, block_stride, run_bytes, num_blocks, *run_offsets]: six ints or more,
+    never the four of a `LayerPlacement`."""
+    return [runs.region_id, runs.offset, runs.block_stride, runs.run_bytes, runs.num_blocks, *runs.run_offsets]
+
+
+def runs_from_wire(data) -> BlockRuns:
+    """A peer's `BlockRuns`; ProtocolError naming the field out of range, or runs that overlap."""
+    if not (isinstance(data, list) and RUNS_HEADER < len(data) <= RUNS_HEADER + MAX_RUNS):
+        raise ProtocolError(f"block runs must be [region_id, offset, block_stride, run_bytes, num_blocks, "
+                            f"*run_offsets] with 1..{MAX_RUNS} runs, got {data!r:.100}")
+    region_id, offset, block_stride, run_bytes, num_blocks = data[:RUNS_HEADER]
+    run_offsets = data[RUNS_HEADER:]
+    where = "block runs"
+    _check_int(region_id, "region_id", 0, MAX_REGION_ID, where)
+    _check_int(offset, "offset", 0, MAX_OFFSET, where)
+    _check_int(block_stride, "block_stride", 1, MAX_OFFSET, where)
+    _check_int(run_bytes, "run_bytes", 1, MAX_BLOCK_BYTES, where)
+    _check_int(num_blocks, "num_blocks", 1, MAX_NUM_BLOCKS, where)
+    for run in run_offsets:
+        _check_int(run, "run offset", 0, MAX_OFFSET, where)
+    if any(b - a < run_bytes for a, b in zip(run_offsets, run_offsets[1:])):
+        raise ProtocolError(f"{where}: runs of {run_bytes} bytes at {run_offsets[:8]} are not ascending "
+                            "without overlap")
+    return BlockRuns(region_id, offset, block_stride, run_bytes, tuple(run_offsets), num_blocks)
+
+
+def runs_end(runs: BlockRuns) -> int:
+    """One past the last byte of the layer's last block in its region."""
+    return runs.offset + (runs.num_blocks - 1) * runs.block_stride + runs.run_offsets[-1] + runs.run_bytes
+
+
+Placement = LayerPlacement | BlockRuns
+
+
 @dataclass(frozen=True)
 class KvLayout:
-    layers: tuple[LayerPlacement, ...]  # in model order; index = layer index
+    layers: tuple[Placement, ...]  # in model order; index = layer index
     groups: tuple[int, ...] = ()  # the KV cache group of each layer (vLLM's hybrid KV cache manager); () = all 0
     windowed: tuple[bool, ...] = ()  # per group: sliding-window (blocks that left the window are null)
 
@@ -106,8 +147,11 @@ class KvLayout:
             mine, theirs = self.layers[index], peer.layers[index]
             if mine.region_id != theirs.region_id:
                 raise ProtocolError(f"layer {index} lives in region {mine.region_id} here, {theirs.region_id} on the peer")
-            span = _head_span(index, mine, theirs, slicing)
             group = pairs[self.group_of(index)]
+            if isinstance(mine, BlockRuns) or isinstance(theirs, BlockRuns):
+                batch.append(_runs_ops(index, mine, theirs, group, slicing))
+                continue
+            span = _head_span(index, mine, theirs, slicing)
             for block, other in group:
                 if block >= mine.num_blocks or other >= theirs.num_blocks:
                     raise ProtocolError(
@@ -122,8 +166,15 @@ class KvLayout:
             batch.append(RegionOps(mine.region_id, tuple(ops)))
         return batch
 
+    def local_ops(self, block_ids: Sequence[int]) -> list[RegionOps]:
+        """Every layer's `block_ids` (one run of equal length per KV cache group, in group order)
+        copied onto themselves: the ranges host staging moves between the device and its mirror."""
+        n = len(block_ids) // self.num_groups
+        pairs = [[(b, b) for b in block_ids[g * n:(g + 1) * n]] for g in range(self.num_groups)]
+        return self.layer_ops(self, range(len(self.layers)), pairs)
+
     def to_wire(self) -> list[list[int]]:
-        return [layer.to_wire() for layer in self.layers]
+        return [runs_to_wire(layer) if isinstance(layer, BlockRuns) else layer.to_wire() for layer in self.layers]
 
     @classmethod
     def from_wire(cls, data, region_sizes: Mapping[int, int] | None = None) -> KvLayout:
@@ -138,7 +189,8 @@ class KvLayout:
         layers = []
         for index, item in enumerate(data):
             try:
-                layers.append(LayerPlacement.from_wire(item))
+                is_runs = isinstance(item, list) and len(item) > RUNS_HEADER
+                layers.append(runs_from_wire(item) if is_runs else LayerPlacement.from_wire(item))
             except ProtocolError as e:
                 raise ProtocolError(f"layer {index}: {e}") from None
         layout = cls(tuple(layers))
@@ -147,17 +199,21 @@ class KvLayout:
         return layout
 
     def check_fits(self, region_sizes: Mapping[int, int]) -> None:
-        """ProtocolError naming the layer that lies outside its region, or partly over another."""
+        """ProtocolError naming the layer that lies outside its region, or partly over another.
+        Layers of block runs may interleave (a GPU layout whose layer axis is not outermost):
+        only their bounds are checked."""
         by_region: dict[int, list[tuple[int, int, int]]] = {}
         for index, layer in enumerate(self.layers):
             size = region_sizes.get(layer.region_id)
             if size is None:
                 raise ProtocolError(f"layer {index} is in region {layer.region_id}, which the peer does not have")
-            if layer.end > size:
+            end = runs_end(layer) if isinstance(layer, BlockRuns) else layer.end
+            if end > size:
                 raise ProtocolError(
-                    f"layer {index} ends at byte {layer.end}, beyond its region {layer.region_id} ({size} bytes)"
+                    f"layer {index} ends at byte {end}, beyond its region {layer.region_id} ({size} bytes)"
                 )
-            by_region.setdefault(layer.region_id, []).append((layer.offset, layer.end, index))
+            if isinstance(layer, LayerPlacement):
+                by_region.setdefault(layer.region_id, []).append((layer.offset, layer.end, index))
         for region_id, spans in by_region.items():
             spans.sort()
             for (start, end, index), (next_start, next_end, next_index) in zip(spans, spans[1:]):
@@ -188,6 +244,37 @@ def _head_span(index: int, mine: LayerPlacement, theirs: LayerPlacement, slicing
     if heads.first_local + heads.count > local_heads or heads.first_peer + heads.count > peer_heads:
         raise ProtocolError(f"layer {index}: heads {heads} lie outside the blocks")
     return _Span(heads.first_local * head_bytes, heads.first_peer * head_bytes, heads.count * head_bytes)
+
+
+def _as_runs(layer: Placement) -> BlockRuns:
+    if isinstance(layer, BlockRuns):
+        return layer
+    return BlockRuns(layer.region_id, layer.offset, layer.block_bytes, layer.block_bytes, (0,), layer.num_blocks)
+
+
+def _runs_ops(index: int, mine: Placement, theirs: Placement, group: Sequence[tuple[int, int]],
+              slicing: Slicing | None) -> RegionOps:
+    """A layer's copies when either side's blocks are runs: run k to run k; with `slicing`, the
+    shared heads' range of each run (the runs are head-major: the handshake checks it)."""
+    mine, theirs = _as_runs(mine), _as_runs(theirs)
+    if slicing is None:
+        try:
+            return mine.copy_ops(theirs, group)
+        except ProtocolError as e:
+            raise ProtocolError(f"layer {index}: {e}") from None
+    if len(mine.run_offsets) != len(theirs.run_offsets):
+        raise ProtocolError(f"layer {index}: {len(mine.run_offsets)} runs per block here, "
+                            f"{len(theirs.run_offsets)} on the peer")
+    span = _head_span(index, LayerPlacement(mine.region_id, 0, mine.run_bytes, 1),
+                      LayerPlacement(theirs.region_id, 0, theirs.run_bytes, 1), slicing)
+    sliced_mine = BlockRuns(mine.region_id, mine.offset + span.local, mine.block_stride, span.length,
+                            mine.run_offsets, mine.num_blocks)
+    sliced_theirs = BlockRuns(theirs.region_id, theirs.offset + span.peer, theirs.block_stride, span.length,
+                              theirs.run_offsets, theirs.num_blocks)
+    try:
+        return sliced_mine.copy_ops(sliced_theirs, group)
+    except ProtocolError as e:
+        raise ProtocolError(f"layer {index}: {e}") from None
 
 
 NOT_COMPARED = ("tp",)  # differs between peers by design: the pairing is derived from it (ranks.py)

@@ -34,6 +34,17 @@ class HoldSpec:
 
 
 @dataclass(frozen=True)
+class StageSpec:
+    """P, READ, KV on a GPU staged in host memory: this step computes the request's last prompt
+    chunk; its blocks reach the host mirror before the step ends (D may read them as soon as the
+    request's answer leaves P)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class RecvSpec:
     """D: blocks were allocated for a remote prefill; get the KV into block_ids[first_block:]."""
 
@@ -73,6 +84,7 @@ class AwaitSpec:
 class StepPlan:
     sends: list[SendSpec] = field(default_factory=list)
     holds: list[HoldSpec] = field(default_factory=list)
+    stages: list[StageSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     cancels: list[CancelSpec] = field(default_factory=list)
     awaits: list[AwaitSpec] = field(default_factory=list)

@@ -57,8 +57,9 @@ class PDScheduler:
     # ---- shared ----------------------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
-        if self._send is not None:
-            self._send.bind_kv_cache_manager(kv_cache_manager)
+        legs = self._send or self._hold
+        if legs is not None:
+            legs.bind_kv_cache_manager(kv_cache_manager)
 
     def build_connector_meta(self, scheduler_output) -> StepPlan:
         """The step's plan; what the hooks planned goes out even if planning the rest failed."""
@@ -75,6 +76,8 @@ class PDScheduler:
         if self._send is not None:
             self._send.preempted(getattr(scheduler_output, "preempted_req_ids", None) or ())
             self._send.plan_sends(scheduled)
+        if self._hold is not None and self._hold.stages:
+            self._hold.plan_stages(scheduled)
         placement = self._placement
         if placement is None:
             self._pacer.start(scheduled, None, 1)
@@ -134,8 +137,11 @@ class PDScheduler:
             return  # moves nothing
         if self._placement is None:
             self._decode.allocated(request, blocks, num_external_tokens)
-        elif self._placement.allocated(request) and self._send is not None:
-            self._send.track(request)
+        elif self._placement.allocated(request):
+            if self._send is not None:
+                self._send.track(request)
+            elif self._hold.stages:
+                self._hold.track(request)
 
     @guarded(lambda: (False, None))
     def request_finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

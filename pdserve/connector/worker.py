@@ -1,9 +1,10 @@
 """The worker half of PDConnector: owns the KV memory, the control-plane servers and the transport.
 
-It runs in vLLM's worker process. At `register_kv_caches` it moves the KV cache into shared
-memory in place and starts two control-plane servers (handshake, notify) bound to the configured
-host. Each step it hands the scheduler's decisions and the forward pass's progress to the
-`TransferEngine`, and reports finished transfers back.
+It runs in vLLM's worker process. At `register_kv_caches` it builds the transport for where the
+KV cache is (host memory: moved into shared memory in place; a GPU: device_transport.py, the
+device known only then) and starts two control-plane servers (handshake, notify) bound to the
+configured host. Each step it hands the scheduler's decisions and the forward pass's progress to
+the `TransferEngine`, and reports finished transfers back.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from pdserve.config import ConnectorConfig
 from pdserve.connector.decode_serving import DecodeServing
@@ -24,7 +26,7 @@ from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.connector.kv_memory import KvMemory
 from pdserve.connector.layout import KvLayout, check_compatible
-from pdserve.connector.metadata import StepPlan
+from pdserve.connector.metadata import StageSpec, StepPlan
 from pdserve.connector.peers import HandshakeResult
 from pdserve.connector.ranks import SINGLE, Ranks
 from pdserve.connector.worker_stats import WorkerStats
@@ -47,7 +49,10 @@ from pdserve.control.secret import load_secret
 from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
 from pdserve.placement.messages import DecodeStatus, PrefillLoad
 from pdserve.rigs import attach_rig
-from pdserve.transport.base import RegionDescriptor
+from pdserve.transport.base import RegionDescriptor, TransferStatus, Transport
+from pdserve.transport.device import MemoryDevice
+from pdserve.transport.device_backend import DeviceBackend
+from pdserve.transport.device_transport import backend_for, build_device_transport
 from pdserve.transport.nixl_auto import PeerRoute, build_transport
 from pdserve.transport.nixl_host import HostClaim, HostProof, verify
 from pdserve.transport.shared_segment import sweep_stale_segments
@@ -56,6 +61,7 @@ from pdserve.transport.shm import ShmTransport
 logger = logging.getLogger("pdserve.connector")
 
 IDLE_WAIT_S = 0.002  # an empty engine step waits this long for transfer progress
+STAGE_SETTLE_S = 1.0  # past its deadline a staging copy settles within this (its windows in flight complete)
 # what the engine handles (every message but the handshake's and the liveness ping's)
 TRANSFER_MESSAGES = (RemoteBlocks, WriteDone, Release, ReadDone, ReadAck, PrefillLoad, DecodeStatus)
 
@@ -66,10 +72,23 @@ class StepFlags:
 
     sends: bool = False  # the step has sends: its layers are handed to the engine as computed
     idle: bool = False  # the step schedules no tokens: `take_finished` may wait briefly for progress
+    stages: list[StageSpec] = field(default_factory=list)  # host staging: blocks to stage once computed
+
+
+def kv_device_backend(tensor, token: str) -> DeviceBackend | None:
+    """The backend driving the GPU a KV tensor is on; None for KV in host memory."""
+    if tensor.device.type != "cuda":
+        return None
+    import torch
+
+    return backend_for(MemoryDevice.of_tensor(tensor), token, torch.cuda.current_stream(tensor.device))
 
 
 class PDWorker:
-    def __init__(self, config: ConnectorConfig, model_fingerprint: dict, groups: KvGroups = ONE_GROUP):
+    def __init__(self, config: ConnectorConfig, model_fingerprint: dict, groups: KvGroups = ONE_GROUP,
+                 device_backend: Callable[[object, str], DeviceBackend | None] = kv_device_backend):
+        """`device_backend(tensor, token)`: the device backend for KV like `tensor`, None for host
+        KV (tests stand CPU tensors in for a GPU's with CpuStandIn)."""
         self._ranks = Ranks.from_wire(model_fingerprint.get("tp", SINGLE.to_wire()))
         self._heads_known = "tp" in model_fingerprint
         # rank r of an instance listens on its configured ports + r (ranks.py: rank_address)
@@ -77,11 +96,13 @@ class PDWorker:
                          notify_port=config.notify_port + self._ranks.rank)
         self._config = config
         token = secrets.token_hex(4)
+        self._token = token
         self.identity = f"{config.engine_id}/{os.getpid()}-{token}"
         self.incarnation = Incarnation.this_process(self.identity)
         self._rig = attach_rig(config)  # a test rig's hooks (pdserve/rigs.py); Rig() changes nothing
-        self._transport = build_transport(config.transport, self._rig.wrap_transport(ShmTransport()), self.identity,
-                                          config.transfer_timeout, self._rig.wrap_transport)
+        self._device_backend = device_backend
+        self._backend: DeviceBackend | None = None  # KV on a GPU: what drives it
+        self._transport: Transport | None = None  # built at register_kv_caches
         self._host_proof = HostProof(token)
         self._client = Client(Codec(load_secret(config.secret_file), self.identity))
         self._servers: list[Server] = []
@@ -99,7 +120,17 @@ class PDWorker:
         removed = sweep_stale_segments()
         if removed:
             logger.info("pdserve: removed %d shared-memory segments left by dead instances", len(removed))
-        self._kv.register(kv_caches, self._transport, self._ranks.local_heads if self._heads_known else None)
+        local_heads = self._ranks.local_heads if self._heads_known else None
+        self._backend = self._device_backend(next(iter(kv_caches.values())), self._token)
+        if self._backend is None:
+            self._transport = build_transport(self._config.transport, self._rig.wrap_transport(ShmTransport()),
+                                              self.identity, self._config.transfer_timeout, self._rig.wrap_transport)
+            self._kv.register(kv_caches, self._transport, local_heads)
+        else:
+            self._transport = build_device_transport(
+                self._config.transport, self._config.kv_buffer_device, self._backend, self.identity,
+                self._config.transfer_timeout, self._token, self._rig.wrap_transport)
+            self._kv.register_device(kv_caches, self._transport, local_heads)
         self._engine = TransferEngine(self._config, self._kv.layout, self._transport, self, self._handshake,
                                       self._ranks)
         self._idle_pump = IdlePump(self._engine.pump, self._engine_lock)
@@ -112,10 +143,11 @@ class PDWorker:
             Server(host, self._config.notify_port, codec, self._serve, "pdserve-notify"),
         ]
         layers = self._kv.layout.layers
+        where = "in shared memory" if self._backend is None else f"on {self._backend.device} ({type(self._transport).__name__})"
         logger.info(
-            "pdserve: %s %s (rank %d of %d) ready: %d layers, %d blocks of %d bytes per layer in shared memory, "
+            "pdserve: %s %s (rank %d of %d) ready: %d layers, %d blocks of %d bytes per layer %s, "
             "fingerprint %s", self._config.role.name, self.identity, self._ranks.rank, self._ranks.size, len(layers),
-            layers[0].num_blocks, layers[0].block_bytes, self._kv.fingerprint,
+            layers[0].num_blocks, layers[0].block_bytes, where, self._kv.fingerprint,
         )
 
     # ---- control plane (server threads) ----------------------------------------------------
@@ -170,6 +202,11 @@ class PDWorker:
             if ranks.total_heads != self._ranks.total_heads:
                 raise IncompatiblePeerError(f"peer {where} counts {ranks.total_heads} KV heads, we count "
                                             f"{self._ranks.total_heads}")
+            if ranks.size != self._ranks.size and not self._kv.head_major:
+                raise IncompatiblePeerError(f"peer {where} runs tensor-parallel size {ranks.size}, we run "
+                                            f"{self._ranks.size}, and our KV blocks are not head-major "
+                                            f"({self._kv.fingerprint.get('kv_block_format')}): a head range of a "
+                                            "block is not one range of bytes")
         except IncompatiblePeerError as exc:
             return HandshakeResult(address, error=str(exc), refused_by=answered_by)
         except PDServeError as exc:
@@ -223,7 +260,7 @@ class PDWorker:
         if meta.status is not None and self._ranks.rank == 0:
             engine.placement.publish_status(meta.status)
         self._stats.on_plan(meta)
-        self._step = StepFlags(bool(meta.sends), meta.idle)
+        self._step = StepFlags(bool(meta.sends), meta.idle, meta.stages if engine.staging is not None else [])
         engine.pump()
 
     @guarded()
@@ -239,6 +276,28 @@ class PDWorker:
         if self._step.sends:
             self._engine.all_layers_ready()
             self._step.sends = False
+        if self._step.stages:
+            self._stage(self._step.stages)
+            self._step.stages = []
+
+    def _stage(self, specs: list[StageSpec]) -> None:
+        """P READ, host staging: copy the blocks of the holds this step computed into the host
+        mirror, and wait for it: the step's output, which names them to D, leaves only after.
+        A hold whose blocks could not be staged answers D's read with why (read_hold.py)."""
+        try:
+            batch = [ops for spec in specs for ops in self._kv.layout.local_ops(spec.block_ids)]
+        except PDServeError as exc:
+            error: str | None = str(exc)
+        else:
+            handle = self._engine.staging.stage(batch, not_after=time.monotonic() + self._config.transfer_timeout)
+            if not handle.wait(self._config.transfer_timeout + STAGE_SETTLE_S):
+                error = "staging did not finish in time"
+            else:
+                error = handle.error if handle.status is TransferStatus.FAILED else None
+        if error is not None:
+            logger.error("pdserve: cannot stage the held KV of %d requests in host memory: %s", len(specs), error)
+            for spec in specs:
+                self._engine.stage_failed(spec.transfer_id, error)
 
     @guarded(Finished)
     def take_finished(self, finished_req_ids: set[str]) -> Finished:
@@ -280,6 +339,9 @@ class PDWorker:
         self._client.close()  # first: it ends the handshakes in flight, which the engine's close joins
         if self._engine is not None:
             self._engine.close()
-        self._transport.close()
+        if self._transport is not None:
+            self._transport.close()
+        if self._backend is not None:
+            self._backend.close()
         self._host_proof.close()
         self._kv.close()

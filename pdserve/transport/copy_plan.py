@@ -58,13 +58,18 @@ def plan_windows(copies: Iterable[tuple[int, int, int]], window_bytes: int = WIN
 
 def enqueue_window(src, dst, window: Window) -> list:
     """Issue `window`'s copies from byte tensor `src` to byte tensor `dst` on the current stream.
-    Returns the temporaries the copies use, to be kept alive until they completed."""
+    Returns the temporaries the copies use, to be kept alive until they completed. Runs in
+    inference mode: views of a KV storage made while vLLM registered it under
+    `torch.inference_mode()` are inference tensors, which torch updates in place only there."""
+    import torch
+
     unit = math.gcd(*window.src_offsets, *window.dst_offsets, *window.lengths)
-    if len(window.lengths) <= DIRECT_MAX_RUNS or src.device != dst.device or unit < MIN_ROW_BYTES:
-        for src_offset, dst_offset, length in zip(window.src_offsets, window.dst_offsets, window.lengths):
-            dst[dst_offset:dst_offset + length].copy_(src[src_offset:src_offset + length], non_blocking=True)
-        return []
-    return _gather_scatter(src, dst, window, unit)
+    with torch.inference_mode():
+        if len(window.lengths) <= DIRECT_MAX_RUNS or src.device != dst.device or unit < MIN_ROW_BYTES:
+            for src_offset, dst_offset, length in zip(window.src_offsets, window.dst_offsets, window.lengths):
+                dst[dst_offset:dst_offset + length].copy_(src[src_offset:src_offset + length], non_blocking=True)
+            return []
+        return _gather_scatter(src, dst, window, unit)
 
 
 def _gather_scatter(src, dst, window: Window, unit: int) -> list:

@@ -88,3 +88,6 @@ class DeviceBackend(ABC):
     @abstractmethod
     def unpin(self, host: torch.Tensor) -> None:
         """Undo `pin`."""
+
+    def close(self) -> None:  # noqa: B027 - a backend that holds nothing of its own (CUDA) has nothing to do
+        """Release what the backend itself holds, once the transports using it are closed."""

@@ -3,6 +3,11 @@
 The leg ends with its prompt computed; P keeps its blocks (HoldSpec) until D released them or the
 hold expires, and answers with kv_transfer_params naming them (params.py), which vllm-router hands
 to the decode leg. A leg placed on D (placement/read_mode.py) was cut to one token and holds nothing.
+
+With KV on a GPU staged in host memory (config.host_staging) D reads P's host mirror, which the
+worker fills only when told: the step that computes a leg's last prompt chunk carries a StageSpec
+for its blocks, and the worker stages them before that step ends, so before the answer that
+names them leaves P. Without staging nothing is tracked for it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any, Callable
 from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.kv_groups import flat_prompt_blocks
 from pdserve.connector.leg import Leg, LegStatus
-from pdserve.connector.metadata import HoldSpec, StepPlan
+from pdserve.connector.metadata import HoldSpec, StageSpec, StepPlan
 from pdserve.connector.prompt_digest import request_digest
 from pdserve.control.address import PeerAddress
 from pdserve.errors import ProtocolError
@@ -32,6 +37,39 @@ class PrefillHold:
         self._plan = plan  # the StepPlan being built
         self._own = PeerAddress(config.host_ip, config.handshake_port, config.notify_port)
         self._held: dict[str, Leg] = {}  # legs ended whose blocks P holds until the worker reports the hold over
+        self._kv_cache_manager = None
+        self._staged: dict[str, Any] = {}  # host staging: legs (request id -> request) still prefilling
+
+    @property
+    def stages(self) -> bool:
+        """Whether the held blocks must be staged in host memory (module docstring)."""
+        return self._config.host_staging
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def track(self, request) -> None:
+        """Host staging: blocks were allocated for `request`, a leg whose prompt is computed here."""
+        try:
+            params = parse_transfer_params(request.kv_transfer_params, request.request_id, Role.PRODUCER)
+        except ProtocolError:
+            return  # `finished` names the problem
+        if params is not None:
+            self._staged[request.request_id] = request
+
+    def plan_stages(self, num_scheduled_tokens: dict[str, int]) -> None:
+        """A StageSpec for each tracked leg whose last prompt chunk this step computes (again, after
+        a preemption)."""
+        for rid, request in self._staged.items():
+            scheduled = num_scheduled_tokens.get(rid, 0)
+            computed = request.num_computed_tokens
+            if not scheduled or computed >= request.num_prompt_tokens or \
+                    computed + scheduled < request.num_prompt_tokens:
+                continue
+            params = parse_transfer_params(request.kv_transfer_params, rid, Role.PRODUCER)
+            num_blocks = math.ceil(request.num_prompt_tokens / self._block_size)
+            block_ids = self._kv_cache_manager.get_blocks(rid).get_block_ids()
+            self._plan().stages.append(StageSpec(rid, params.transfer_id, flat_prompt_blocks(block_ids, num_blocks)))
 
     @property
     def holding(self) -> bool:
@@ -42,6 +80,7 @@ class PrefillHold:
         """The request ended (`block_ids`: one list per KV cache group): whether P holds its blocks,
         and the kv_transfer_params it answers with."""
         rid = request.request_id
+        self._staged.pop(rid, None)
         try:
             params = parse_transfer_params(request.kv_transfer_params, rid, Role.PRODUCER)
         except ProtocolError as exc:

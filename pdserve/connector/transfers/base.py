@@ -29,6 +29,10 @@ class Engine(Protocol):
     binding: object  # binding.PeerBinding, which needs this module
     stats: TransferStats
     num_layers: int
+    staging: object  # the StagedTransport with host staging, else None
+    unstaged: dict[str, str]
+
+    def land(self, t: Transfer) -> None: ...
 
     def bytes_to_move(self, t: Transfer) -> int: ...
 

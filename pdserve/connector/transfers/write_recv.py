@@ -18,6 +18,10 @@ margin: the assumption is that an announcement reaches P's control-plane thread 
 release_grace (2 s by default) of being queued; clock skew between the hosts plays no part. A P
 on this host that provably lives is not trusted to the fence alone (it may be frozen mid-copy):
 D waits for its word until it has run on the CPU since the fence (see `_may_still_copy`).
+
+With KV on a GPU staged in host memory P writes into D's host mirror: `WriteDone(ok)` starts the
+land (mirror -> device), and the transfer is DONE once it landed. Only our own copy touches the
+blocks from then on, so a failed or expired land fails the transfer as soon as it settled.
 """
 
 from __future__ import annotations
@@ -65,19 +69,29 @@ class WriteRecv(LegKind):
             window.fence = window.announced_at + window.write_for + self.engine.config.release_grace
             t.deadline = max(t.deadline, window.fence)
 
+    def copies_settled(self, t: Transfer) -> None:
+        if t.copies.handles:  # landed
+            t.succeed()
+            self.engine.finish(t)
+
     def may_fail(self, t: Transfer) -> bool:
         window = t.window
-        if window is None:
+        if window is None or t.copies.handles:  # landing: P confirmed its write, and our copy settled
             return True
         if window.fence is not None and time.monotonic() < window.fence:
             return False  # P may still be copying into our blocks: wait for WriteDone or the fence
         return not self._may_still_copy(t, window)
 
     def _on_write_done(self, t: Transfer, message: WriteDone) -> None:
+        if t.copies.handles:
+            return  # landing already: P's word came
         if message.ok and t.window is None:
             t.fail("prefill confirmed a write of blocks decode never announced")
         elif message.ok and not t.stopping and message.prompt_hash == t.prompt_hash:
             t.copies.num_bytes = self.engine.bytes_to_move(t)
+            if self.engine.staging is not None:
+                self.engine.land(t)
+                return  # DONE once landed (copies_settled)
             t.succeed()
         elif message.ok and not t.stopping:
             t.fail("prefill delivered the KV of a different prompt (prompt digests differ)")
