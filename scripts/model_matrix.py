@@ -14,18 +14,45 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.matrix_helpers import ARCHS, LAYOUTS, MODES, matrix_prompts, reference, run_cell  # noqa: E402
+from tests.integration.matrix_helpers import (  # noqa: E402
+    ARCHS,
+    LAYOUTS,
+    MODES,
+    decode_tp,
+    matrix_prompts,
+    reference,
+    run_cell,
+)
 
 OUT = ROOT / "benchmarks" / "model-matrix"
 
 
+HEADER = """# Model x layout x mode matrix (real vLLM, through vllm-router)
+
+`scripts/model_matrix.py`: each cell deploys P and D of one architecture's tiny model in one layout
+(prefix caching on), sends 40 prompts (1 to 2,000 tokens: shorter than a block, on block edges,
+past the 128-token window) and compares every answer with collocated serving at D's
+tensor-parallel size under the comparison rule (pdserve/compare.py): 16 greedy tokens, 4 requests
+at a time (MLA: 1). KV bytes to D: what D's ranks received, beside what moving every block of every
+layer would, and, in brackets, the most that moving only each sliding-window layer's window
+(cdiv(window, block) + 1 blocks) allows. Transfers count sub-transfers (one per rank pair). A
+configuration PDConnector refuses at startup is recorded with its refusal. Last run: {date}, {cpu},
+2 cores (P and D a core each; ranks of one role share it).
+
+"""
+
+
 def write_markdown(results: list[dict], path: Path) -> None:
-    lines = ["| architecture | layout | mode | result | KV bytes to D: moved / full transfer (window bound) | "
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    lines = [HEADER.format(date=time.strftime("%Y-%m-%d"), cpu=cpu),
+             "| architecture | layout | mode | result | KV bytes to D: moved / full transfer (window bound) | "
              "transfers (failed, recomputed) |", "|---|---|---|---|---|---|"]
     for cell in results:
         if "bytes_moved" in cell:
@@ -53,10 +80,13 @@ def main() -> int:
     prompts = matrix_prompts()
     failed = 0
     for arch in args.archs:
-        refs = reference(arch, prompts, args.port)
+        refs = {}  # D's tensor-parallel size -> collocated serving's answers at that size
         for layout in args.layouts:
+            tp = decode_tp(layout)
+            if tp not in refs:
+                refs[tp] = reference(arch, prompts, args.port, tp)
             for mode in args.modes:
-                cell = run_cell(arch, layout, mode, args.port + 20, prompts, refs)
+                cell = run_cell(arch, layout, mode, args.port + 20, prompts, refs[tp])
                 failed += not cell["ok"] and not cell.get("refused")
                 print(json.dumps(cell), flush=True)
                 key = (arch, layout, mode)

@@ -51,14 +51,16 @@ def _model_fingerprint(vllm_config) -> dict:
 
 
 def _tensor_parallel(vllm_config) -> Ranks:
-    """This worker's rank, its instance's TP size and the model's KV head count."""
+    """This worker's rank, its instance's TP size and the model's KV head count (MLA: one latent per
+    token, which every rank holds whole, counted as one head)."""
     size = vllm_config.parallel_config.tensor_parallel_size
     rank = 0
     if size > 1:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank()
-    return Ranks(rank, size, vllm_config.model_config.get_total_num_kv_heads())
+    model = vllm_config.model_config
+    return Ranks(rank, size, 1 if getattr(model, "use_mla", False) else model.get_total_num_kv_heads())
 
 
 def _apply_load_failure_policy(transfer_config, policy: str) -> None:

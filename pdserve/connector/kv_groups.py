@@ -39,21 +39,28 @@ class KvGroups:
         for index, group in enumerate(groups):
             spec = group.kv_cache_spec
             kind = type(spec).__name__
-            if kind not in ("FullAttentionSpec", "SlidingWindowSpec"):
-                raise ConfigError(f"PDConnector cannot move KV cache group {index} ({kind}): only full-attention and "
-                                  "sliding-window groups")
+            if kind not in MOVABLE or (kind == "MLAAttentionSpec" and not _plain_latent(spec)):
+                raise ConfigError(f"PDConnector cannot move KV cache group {index} ({kind}): only full-attention, "
+                                  "sliding-window and MLA (one latent per token) groups")
             if spec.block_size != block_size:
                 raise ConfigError(f"KV cache group {index} has {spec.block_size}-token blocks, the cache "
                                   f"{block_size}: PDConnector moves groups of one block size")
             window = getattr(spec, "sliding_window", None) if kind == "SlidingWindowSpec" else None
             windowed.append(window is not None)
-            described.append("full" if window is None else f"sliding_window:{window}")
+            described.append(f"sliding_window:{window}" if window is not None else MOVABLE[kind])
             for name in group.layer_names:
                 layer_group[name] = index
         return cls(layer_group, tuple(windowed), tuple(described))
 
 
 ONE_GROUP = KvGroups({}, (False,), ("full",))
+# vLLM's KV cache spec classes PDConnector moves, and how the fingerprint names each
+MOVABLE = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window", "MLAAttentionSpec": "mla"}
+
+
+def _plain_latent(spec) -> bool:
+    """An MLA group of one latent per token in every block (not DeepSeek V4's padded or sparse caches)."""
+    return getattr(spec, "alignment", None) is None and getattr(spec, "model_version", None) is None
 
 
 def flat_prompt_blocks(block_ids: Sequence[Sequence[int]], num_blocks: int) -> tuple[int, ...]:

@@ -49,7 +49,7 @@ class KvMemory:
         for index, (name, tensor) in enumerate(kv_caches.items()):
             if not tensor.is_contiguous():
                 raise PDServeError(f"KV cache of {name} is not contiguous; PDConnector needs block-contiguous KV")
-            if local_heads is not None and not heads_outermost(tensor, local_heads):
+            if local_heads is not None and (tensor.dim() != 4 or tensor.shape[1] != local_heads):
                 raise PDServeError(f"KV cache of {name} has shape {list(tensor.shape)}; PDConnector needs "
                                    f"[blocks, {local_heads} heads, block size, head bytes]")
             placement = placements[name]
@@ -107,13 +107,6 @@ class KvMemory:
         for segment in self._segments:
             segment.close()
         self._segments = []
-
-
-def heads_outermost(tensor, heads: int) -> bool:
-    """Whether each block of `tensor` holds `heads` heads outermost, `[blocks, heads, ...]`, or is
-    an MLA block of one latent per token, `[blocks, block size, latent]`, which every rank holds
-    whole (one head for the rank mapping)."""
-    return (tensor.dim() == 4 and tensor.shape[1] == heads) or (tensor.dim() == 3 and heads == 1)
 
 
 def _placement(tensor_layout: KvTensorLayout) -> Placement:

@@ -1,13 +1,19 @@
 """What PDConnector serves today, checked when vLLM creates it: anything else is refused at startup
 with a line naming the setting, before vLLM allocates a KV cache.
 
-Supported: one KV cache group of attention layers (dense, or sliding-window with vLLM's hybrid KV
-cache manager off), any tensor-parallel size (each rank moves its own heads, ranks.py; adaptive
-placement only at size 1), pipeline and data parallel size 1 per instance. MLA is refused: through
-READ mode a DeepSeek-V2-style model on vLLM's reference (non-AMX) MLA backend answered with other
-tokens than collocated serving. Hybrid models with mamba or linear-attention layers need their
-state moved beside the KV blocks, which does not exist yet, and would otherwise fail later (vLLM's
-"Failed to promote local KV cache specs") or, worse, move only part of what D needs.
+Supported: KV cache groups of full and sliding-window attention (kv_groups.py), any
+tensor-parallel size (each rank moves its own heads, ranks.py; adaptive placement only at size 1),
+pipeline and data parallel size 1 per instance. Hybrid models with mamba or linear-attention layers
+need their state moved beside the KV blocks, which does not exist yet, and would otherwise fail
+later (vLLM's "Failed to promote local KV cache specs") or, worse, move only part of what D needs.
+
+MLA is refused although its blocks move (one latent per token, counted as one head every rank
+holds): through PD a DeepSeek-V2-style model answered otherwise than plain serving, from the first
+token on, one request at a time, with every block moved. On vLLM's CPU reference MLA backend (the
+one without AMX) plain serving does not repeat itself either once requests share batches, so
+nothing here yet tells a numeric difference (D computes the last prompt token through the
+weight-absorbed decode kernel, plain serving through prefill) from a defect: until something
+does, MLA is not served.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ def unsupported(vllm_config) -> list[str]:
         reasons.append(f"model {model.model!r} has mamba or linear-attention layers, whose state PDConnector "
                        "cannot move yet")
     if model is not None and getattr(model, "use_mla", False):
-        reasons.append(f"model {model.model!r} uses multi-head latent attention (MLA), whose KV cache PDConnector "
-                       "does not move correctly yet")
+        reasons.append(f"model {model.model!r} uses multi-head latent attention (MLA), whose answers through "
+                       "PDConnector are not yet shown equal to plain serving")
     return reasons
 
 

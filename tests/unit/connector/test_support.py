@@ -58,5 +58,16 @@ def test_vllm_asks_the_connector_class_before_it_groups_the_kv_cache():
 
 
 def test_mla_models_are_refused_naming_the_model():
-    with pytest.raises(ConfigError, match="'models/m' uses multi-head latent attention"):
+    with pytest.raises(ConfigError, match="'models/m' uses multi-head latent attention .MLA., whose answers"):
         check_supported(vllm_config(mla=True))
+
+
+def test_an_mla_model_counts_one_kv_head_whatever_its_config_says():
+    from pdserve.connector.connector import _tensor_parallel
+
+    def config(mla: bool):
+        model = SimpleNamespace(use_mla=mla, get_total_num_kv_heads=lambda: 4)
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=model)
+
+    assert _tensor_parallel(config(True)).total_heads == 1  # the latent every rank holds whole
+    assert _tensor_parallel(config(False)).total_heads == 4
