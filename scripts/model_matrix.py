@@ -44,7 +44,6 @@ layer would, and, in brackets, the most that moving only each sliding-window lay
 (cdiv(window, block) + 1 blocks) allows. Transfers count sub-transfers (one per rank pair). A
 configuration PDConnector refuses at startup is recorded with its refusal. Last run: {date}, {cpu},
 2 cores (P and D a core each; ranks of one role share it).
-
 """
 
 

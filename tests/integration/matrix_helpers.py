@@ -184,6 +184,7 @@ def _counters(urls: list[str]) -> dict[str, float]:
     return {name: sum(metric(s, name) for s in samples) for name in COUNTERS}
 
 
+REPO = Path(__file__).resolve().parents[2]
 REFUSAL = re.compile(r"PDConnector cannot serve this configuration: (?!\")")  # the message, not the raising source line
 
 
@@ -192,6 +193,6 @@ def _refusal(log_dir: Path) -> str | None:
     for log in sorted(log_dir.glob("*.log")) if log_dir.exists() else ():
         for line in log.read_text(errors="replace").splitlines():
             found = REFUSAL.search(line)
-            if found:
-                return line[found.start():][:400]
+            if found:  # model paths relative to the repository, as results are committed
+                return line[found.start():].replace(f"{REPO}/", "")[:400]
     return None
