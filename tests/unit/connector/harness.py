@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdserve.config import ConnectorConfig, TransferMode, parse_connector_config
 from pdserve.connector.engine import Finished, TransferEngine
@@ -32,6 +33,14 @@ D_IDENTITY = "127.0.0.1:6302/d"
 FAST = {"transfer_timeout": 5.0, "defer_timeout": 5.0, "release_grace": 0.5}
 PROMPT_HASH = prompt_digest(range(100))
 OTHER_PROMPT_HASH = prompt_digest(range(1, 101))
+
+
+def secret_file(directory: Path, text: str = "test-secret\n") -> Path:
+    """A control-plane secret file only its owner may read, as the codec requires."""
+    secret = directory / "secret"
+    secret.write_text(text)
+    secret.chmod(0o600)
+    return secret
 
 
 def make_config(kv_role: str, mode: TransferMode, **overrides) -> ConnectorConfig:

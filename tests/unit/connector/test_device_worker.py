@@ -20,6 +20,7 @@ from pdserve.control.address import PeerAddress
 from pdserve.transport.cpu_backend import CpuStandIn
 from pdserve.transport.nixl_auto import RoutedTransport
 from pdserve.transport.staged import StagedTransport
+from tests.unit.connector.harness import secret_file
 
 FINGERPRINT = {"model": "device-test"}
 NUM_LAYERS, NUM_BLOCKS, HEADS, TOKENS, CONTENT = 2, 6, 2, 4, 8
@@ -78,9 +79,7 @@ class Side:
 
 @pytest.fixture
 def start(tmp_path):
-    secret = tmp_path / "secret"
-    secret.write_text("device-test-secret\n")
-    secret.chmod(0o600)
+    secret = secret_file(tmp_path, "device-test-secret\n")
     started: list[PDWorker] = []
 
     def start_side(kv_role: str, mode: TransferMode, order=(0, 1, 2, 3), device: bool = True, **extra) -> Side:

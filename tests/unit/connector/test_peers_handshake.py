@@ -20,6 +20,7 @@ from pdserve.connector.allowlist import PeerAllowList
 from pdserve.connector.peers import HandshakeResult, PeerState, PeerTable
 from pdserve.connector.worker import PDWorker
 from pdserve.control.address import PeerAddress
+from tests.unit.connector.harness import secret_file
 
 HANDSHAKE_TIMEOUT_S = 2.0
 QUICK_S = 0.5  # well under one handshake timeout
@@ -112,9 +113,7 @@ class Table:
 
 @pytest.fixture
 def instances(tmp_path):
-    secret = tmp_path / "secret"
-    secret.write_text("handshake-test-secret\n")
-    secret.chmod(0o600)
+    secret = secret_file(tmp_path, "handshake-test-secret\n")
     instances = Instances(str(secret))
     yield instances
     for worker in instances.started:

@@ -12,6 +12,7 @@ from pdserve.config import parse_connector_config
 from pdserve.connector.stats import PDConnectorStats
 from pdserve.connector.worker import PDWorker
 from pdserve.control.address import PeerAddress
+from tests.unit.connector.harness import secret_file
 
 FINGERPRINT = {"model": "stats-test"}
 
@@ -35,9 +36,7 @@ def start_worker(kv_role: str, secret_file: str) -> tuple[PDWorker, PeerAddress]
 
 @pytest.fixture
 def workers(tmp_path):
-    secret = tmp_path / "secret"
-    secret.write_text("stats-test-secret\n")
-    secret.chmod(0o600)
+    secret = secret_file(tmp_path, "stats-test-secret\n")
     started: list[PDWorker] = []
     try:
         p, p_address = start_worker("kv_producer", str(secret))

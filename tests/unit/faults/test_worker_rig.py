@@ -17,6 +17,7 @@ from pdserve.control.messages import WriteDone
 from pdserve.faults.rig import RIG_NAME, register
 from pdserve.rigs import Rig, register_rig, unregister_rig
 from pdserve.transport.shm import ShmTransport
+from tests.unit.connector.harness import secret_file
 
 WAIT_S = 5.0
 
@@ -47,9 +48,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def start(tmp_path):
-    secret = tmp_path / "secret"
-    secret.write_text("rig-test-secret\n")
-    secret.chmod(0o600)
+    secret = secret_file(tmp_path, "rig-test-secret\n")
     started: list[PDWorker] = []
 
     def start_worker(kv_role: str, **extra) -> tuple[PDWorker, PeerAddress]:
