@@ -74,6 +74,7 @@ def setup():
 
 def test_a_signed_registration_reaches_the_router_unchanged(setup):
     setup.send(setup.codec.encode(GOOD))
+    setup.settle(1, wait_s=30.0)  # a loaded machine may take seconds to schedule the registrar's thread
     assert setup.forwarded() == [{"type": "D", "http_address": "127.0.0.1:8200",
                                   "zmq_address": "host:127.0.0.1,handshake:6302,notify:6402",
                                   "transfer_mode": "READ", "tp_size": 1, "dp_size": 1}]
