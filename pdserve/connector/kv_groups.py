@@ -39,9 +39,9 @@ class KvGroups:
         for index, group in enumerate(groups):
             spec = group.kv_cache_spec
             kind = type(spec).__name__
-            if kind not in MOVABLE or (kind == "MLAAttentionSpec" and not _plain_latent(spec)):
-                raise ConfigError(f"PDConnector cannot move KV cache group {index} ({kind}): only full-attention, "
-                                  "sliding-window and MLA (one latent per token) groups")
+            if kind not in MOVABLE:
+                raise ConfigError(f"PDConnector cannot move KV cache group {index} ({kind}): only full-attention and "
+                                  "sliding-window groups")
             if spec.block_size != block_size:
                 raise ConfigError(f"KV cache group {index} has {spec.block_size}-token blocks, the cache "
                                   f"{block_size}: PDConnector moves groups of one block size")
@@ -55,12 +55,7 @@ class KvGroups:
 
 ONE_GROUP = KvGroups({}, (False,), ("full",))
 # vLLM's KV cache spec classes PDConnector moves, and how the fingerprint names each
-MOVABLE = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window", "MLAAttentionSpec": "mla"}
-
-
-def _plain_latent(spec) -> bool:
-    """An MLA group of one latent per token in every block (not DeepSeek V4's padded or sparse caches)."""
-    return getattr(spec, "alignment", None) is None and getattr(spec, "model_version", None) is None
+MOVABLE = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window"}
 
 
 def flat_prompt_blocks(block_ids: Sequence[Sequence[int]], num_blocks: int) -> tuple[int, ...]:

@@ -7,9 +7,9 @@ pipeline and data parallel size 1 per instance. Hybrid models with mamba or line
 need their state moved beside the KV blocks, which does not exist yet, and would otherwise fail
 later (vLLM's "Failed to promote local KV cache specs") or, worse, move only part of what D needs.
 
-MLA is refused although its blocks move (one latent per token, counted as one head every rank
-holds): through PD a DeepSeek-V2-style model answered otherwise than plain serving, from the first
-token on, one request at a time, with every block moved. On vLLM's CPU reference MLA backend (the
+MLA is refused: in a trial with this refusal lifted (and its KV cache group let through) every
+block of a DeepSeek-V2-style model moved, yet its answers through PD parted from plain serving from
+the first token on, one request at a time. On vLLM's CPU reference MLA backend (the
 one without AMX) plain serving does not repeat itself either once requests share batches, so
 nothing here yet tells a numeric difference (D computes the last prompt token through the
 weight-absorbed decode kernel, plain serving through prefill) from a defect: until something

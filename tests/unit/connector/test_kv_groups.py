@@ -45,16 +45,10 @@ def test_sliding_window_and_full_groups_are_moved_and_named_with_their_window():
     assert [groups.group_of(n) for n in ("l0", "l1", "l2", "l3")] == [0, 1, 0, 1]
 
 
-def test_an_mla_group_is_moved_as_one_latent_per_token():
+def test_an_mla_group_is_refused_naming_its_kind():
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    groups = KvGroups.from_kv_cache_config(config((["l0", "l1"], mla)), 16)
-    assert groups.described == ("mla",) and groups.windowed == (False,)
-
-
-def test_a_padded_mla_cache_is_refused_naming_the_group():
-    padded = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, alignment=64)
-    with pytest.raises(ConfigError, match=r"group 0 \(MLAAttentionSpec\)"):
-        KvGroups.from_kv_cache_config(config((["l0"], padded)), 16)
+    with pytest.raises(ConfigError, match=r"cannot move KV cache group 0 \(MLAAttentionSpec\)"):
+        KvGroups.from_kv_cache_config(config((["l0", "l1"], mla)), 16)
 
 
 def test_a_mamba_group_is_refused_naming_its_kind():
