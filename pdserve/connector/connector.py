@@ -38,10 +38,18 @@ from pdserve.placement.inbox import WorkerNews
 from pdserve.vllm_logging import route_logs_to_vllm
 
 
-def _model_fingerprint(vllm_config) -> dict:
+def _mamba_chunk(vllm_config) -> int | None:
+    model_config = vllm_config.model_config
+    return model_config.get_mamba_chunk_size() if getattr(model_config, "is_hybrid", False) else None
+
+
+def _model_fingerprint(vllm_config, groups: KvGroups) -> dict:
     model_config = vllm_config.model_config
     hf_config = model_config.hf_config.to_json_string(use_diff=False)
-    return {
+    # mamba/linear-attention state is split between ranks in a layout PDConnector does not slice
+    # (Gated DeltaNet's conv state interleaves q, k and v): P and D need one TP size
+    state = {"state_tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size} if groups.has_state else {}
+    return state | {
         "tp": _tensor_parallel(vllm_config).to_wire(),  # not compared: peers pair their ranks by it (ranks.py)
         "model_config": hashlib.sha256(hf_config.encode()).hexdigest()[:16],
         "dtype": str(model_config.dtype),
@@ -114,7 +122,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
                                               vllm_kv_buffer_device=transfer_config.kv_buffer_device,
                                               kv_device=vllm_config.device_config.device_type)
         check_supported(vllm_config, self._config.placement.adaptive)
-        groups = KvGroups.from_kv_cache_config(kv_cache_config, vllm_config.cache_config.block_size)
+        groups = KvGroups.from_kv_cache_config(kv_cache_config, vllm_config.cache_config.block_size,
+                                               _mamba_chunk(vllm_config))
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         self._registration: RouterRegistration | None = None
@@ -124,11 +133,11 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size,
                                           scheduler_config.max_num_batched_tokens,
                                           getattr(scheduler_config, "long_prefill_token_threshold", 0) or None,
-                                          set_chunk=_chunk_setter(scheduler_config), num_groups=groups.num_groups)
+                                          set_chunk=_chunk_setter(scheduler_config), groups=groups)
             if self._config.proxy_ip:
                 self._registration = RouterRegistration(self._config)
         else:
-            self._worker = PDWorker(self._config, _model_fingerprint(vllm_config), groups)
+            self._worker = PDWorker(self._config, _model_fingerprint(vllm_config, groups), groups)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

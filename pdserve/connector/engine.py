@@ -227,7 +227,7 @@ class TransferEngine:
         """Bytes `t`'s copies move, over every layer (only its heads, only blocks in the window)."""
         if t.remote_block_ids is None:  # D WRITE: P's blocks are P's business; D's decide what lands
             t = dataclasses.replace(t, remote_block_ids=t.local_block_ids)
-        return self._layout.bytes_moved(t.group_pairs(self._layout.group_windowed), t.slicing)
+        return self._layout.bytes_moved(t.group_pairs(self._layout.group_sparse), t.slicing)
 
     def close(self) -> None:
         self._peers.close()
@@ -291,7 +291,7 @@ class TransferEngine:
     def submit(self, t: Transfer, peer: Peer, direction: Direction, layers) -> None:
         """Start copying `layers` of `t`'s block pairs with `peer`, bounded by `t.copies.not_after`."""
         try:
-            batch = self._layout.layer_ops(peer.layout, layers, t.group_pairs(self._layout.group_windowed), t.slicing)
+            batch = self._layout.layer_ops(peer.layout, layers, t.group_pairs(self._layout.group_sparse), t.slicing)
         except PDServeError as exc:
             self.stop(t, str(exc), tell_peer=True)
             return
@@ -304,7 +304,7 @@ class TransferEngine:
         """D WRITE, host staging: copy the blocks P wrote into our mirror on to the device (from
         `first_block` on, as P wrote them), bounded by `t`'s deadline."""
         try:
-            pairs = dataclasses.replace(t, remote_block_ids=t.local_block_ids).group_pairs(self._layout.group_windowed)
+            pairs = dataclasses.replace(t, remote_block_ids=t.local_block_ids).group_pairs(self._layout.group_sparse)
             batch = self._layout.layer_ops(self._layout, range(self.num_layers), pairs)
         except PDServeError as exc:
             self.stop(t, str(exc), tell_peer=True)

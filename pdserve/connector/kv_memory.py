@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from pdserve.connector.device_layout import HEAD, VLLM_VIEW_ROLES, KvTensorLayout
+from pdserve.connector.device_layout import HEAD, VLLM_VIEW_ROLES, BlockRuns, KvTensorLayout
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.connector.layout import KvLayout, LayerPlacement, Placement, cpu_isa
 from pdserve.errors import PDServeError
@@ -42,33 +42,44 @@ class KvMemory:
     def register(self, kv_caches: dict, transport: Transport, local_heads: int | None) -> None:
         """Called once, from vLLM's `register_kv_caches`, with every layer's KV tensor (each block
         holding `local_heads` heads, outermost: ranks of other TP sizes copy them in slices;
-        None: not checked)."""
+        None: not checked). A state layer's blocks are padded pages (`_state_runs`)."""
         placements = move_tensors_to_shared_memory(kv_caches, self._token)
         region_ids: dict[int, int] = {}
-        layers = []
+        layers: list[Placement] = []
         for index, (name, tensor) in enumerate(kv_caches.items()):
-            if not tensor.is_contiguous():
+            state = self._is_state(name)
+            if not state and not tensor.is_contiguous():
                 raise PDServeError(f"KV cache of {name} is not contiguous; PDConnector needs block-contiguous KV")
-            if local_heads is not None and (tensor.dim() != 4 or tensor.shape[1] != local_heads):
+            if not state and local_heads is not None and (tensor.dim() != 4 or tensor.shape[1] != local_heads):
                 raise PDServeError(f"KV cache of {name} has shape {list(tensor.shape)}; PDConnector needs "
                                    f"[blocks, {local_heads} heads, block size, head bytes]")
             placement = placements[name]
             segment = placement.segment
             if id(segment) not in region_ids:
                 region_ids[id(segment)] = len(region_ids)
-                # From here on the segment has no name: nothing can outlive this process.
+                # the name goes with the registration: peers on this host map the segment by it
                 transport.register_region(region_ids[id(segment)], segment.address, segment.size,
                                           segment.unlink_name())
                 self._segments.append(segment)
-            block_bytes = tensor.stride(0) * tensor.element_size()
-            layers.append(LayerPlacement(region_ids[id(segment)], placement.byte_offset, block_bytes, tensor.shape[0]))
+            region = region_ids[id(segment)]
+            if state:
+                layers.append(_state_runs(name, tensor, region, placement.byte_offset))
+            else:
+                layers.append(LayerPlacement(region, placement.byte_offset, tensor.stride(0) * tensor.element_size(),
+                                             tensor.shape[0]))
             self.layer_index[name] = index
         self._describe(kv_caches, layers, {"cpu_isa": cpu_isa()})
+
+    def _is_state(self, name: str) -> bool:
+        return self._groups.state_mode(self._groups.group_of(name)) is not None
 
     def register_device(self, kv_caches: dict, transport, local_heads: int | None) -> None:
         """`register` for KV on a GPU: vLLM's per-layer views `[blocks, heads, tokens, content]`
         in any stride order; `transport` has `register_tensor` (device_transport.py)."""
         for name, tensor in kv_caches.items():
+            if self._is_state(name):
+                raise PDServeError(f"layer {name} keeps mamba or linear-attention state on a GPU, which PDConnector "
+                                   "moves from host memory only")
             if local_heads is not None and (tensor.dim() != 4 or tensor.shape[1] != local_heads):
                 raise PDServeError(f"KV cache of {name} has shape {list(tensor.shape)}; PDConnector needs "
                                    f"[blocks, {local_heads} heads, block size, head bytes]")
@@ -87,9 +98,11 @@ class KvMemory:
     def _describe(self, kv_caches: dict, layers: list[Placement], memory: dict) -> None:
         """Set the fingerprint (the model's, the KV's, and `memory`: what decides how a block's
         bytes are packed) and the layout."""
-        first = next(iter(kv_caches.values()))
+        attention = [t for name, t in kv_caches.items() if not self._is_state(name)]
+        first = attention[0] if attention else next(iter(kv_caches.values()))
         # per head: what must match between ranks of any tensor-parallel sizes (heads per rank may differ)
-        shapes = "|".join(f"{name}:{t.dtype}:{list(t.shape[2:])}:{t.stride(1)}" for name, t in kv_caches.items())
+        shapes = "|".join(f"{name}:state:{t.dtype}:{list(t.shape[1:])}" if self._is_state(name)
+                          else f"{name}:{t.dtype}:{list(t.shape[2:])}:{t.stride(1)}" for name, t in kv_caches.items())
         self.fingerprint = {
             **self._model_fingerprint,
             "kv_dtype": str(first.dtype),
@@ -101,12 +114,25 @@ class KvMemory:
             **memory,
         }
         groups = tuple(self._groups.group_of(name) for name in kv_caches) if self._groups.num_groups > 1 else ()
-        self.layout = KvLayout(tuple(layers), groups, self._groups.windowed)
+        self.layout = KvLayout(tuple(layers), groups, self._groups.sparse)
 
     def close(self) -> None:
         for segment in self._segments:
             segment.close()
         self._segments = []
+
+
+def _state_runs(name: str, tensor, region_id: int, offset: int) -> BlockRuns:
+    """Where a mamba/linear-attention layer's blocks live: vLLM views its state as `[blocks, ...]`
+    bytes, each block's state packed at the start of a page padded to the attention page size
+    (vLLM's `page_size_padded`); only the state moves, not the padding. PDServeError for a state
+    laid out otherwise."""
+    content = tensor[0].numel() * tensor.element_size()
+    stride = tensor.stride(0) * tensor.element_size()
+    if tensor.dim() < 2 or not tensor[0].is_contiguous() or stride < content:
+        raise PDServeError(f"state of {name} has shape {list(tensor.shape)} and strides {tensor.stride()}; "
+                           "PDConnector needs each block's state as one range inside its block stride")
+    return BlockRuns(region_id, offset, stride, content, (0,), tensor.shape[0])
 
 
 def _placement(tensor_layout: KvTensorLayout) -> Placement:

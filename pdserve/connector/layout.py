@@ -107,7 +107,7 @@ Placement = LayerPlacement | BlockRuns
 class KvLayout:
     layers: tuple[Placement, ...]  # in model order; index = layer index
     groups: tuple[int, ...] = ()  # the KV cache group of each layer (vLLM's hybrid KV cache manager); () = all 0
-    windowed: tuple[bool, ...] = ()  # per group: sliding-window (blocks that left the window are null)
+    sparse: tuple[bool, ...] = ()  # per group: its runs may hold the null block, where nothing moves (kv_groups.py)
 
     def group_of(self, index: int) -> int:
         return self.groups[index] if self.groups else 0
@@ -117,8 +117,8 @@ class KvLayout:
         return max(self.groups, default=0) + 1
 
     @property
-    def group_windowed(self) -> tuple[bool, ...]:
-        return self.windowed or (False,) * self.num_groups
+    def group_sparse(self) -> tuple[bool, ...]:
+        return self.sparse or (False,) * self.num_groups
 
     def bytes_moved(self, pairs: Sequence[list[tuple[int, int]]], slicing: Slicing | None = None) -> int:
         """Bytes `layer_ops` with these pairs copies over every layer."""

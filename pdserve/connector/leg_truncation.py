@@ -54,3 +54,30 @@ def truncate_to_one_token(request) -> bool:
     request.num_prompt_tokens = 1
     request.block_hashes.clear()
     return True
+
+
+def truncate_prompt(request, keep: int) -> bool:
+    """Cut `request` (a new prefill leg of a model with mamba or linear-attention state, nothing
+    computed) to its first `keep` prompt tokens: P computes the state after them and D the rest
+    (kv_groups.py); `keep` 0 cuts it to one token (`truncate_to_one_token`): D computes it all.
+    False, and `request` untouched, for a request of another shape; D then finds the digest of
+    P's tokens differing from its own and computes the prompt itself. The prompt's block hashes
+    stay: a block past `keep` is never computed here, so never cached."""
+    if keep <= 0:
+        return truncate_to_one_token(request)
+    if needs_whole_prompt(request):
+        return False
+    try:
+        prompt = request.prompt_token_ids
+        tokens = request._all_token_ids
+        ok = (isinstance(prompt, list) and isinstance(tokens, list) and len(prompt) > keep
+              and getattr(request, "prompt_embeds", None) is None
+              and request.num_computed_tokens == 0 and len(tokens) == len(prompt) == request.num_prompt_tokens)
+    except AttributeError:
+        ok = False
+    if not ok:
+        return False
+    del prompt[keep:]
+    del tokens[keep:]
+    request.num_prompt_tokens = keep
+    return True

@@ -38,12 +38,12 @@ def embeds_digest(embeds) -> str:
     return digest.hexdigest()[:32]
 
 
-def request_digest(request) -> str:
-    """The digest of a vLLM request's prompt: its token ids, or else its prompt embeddings;
-    ProtocolError for a request with neither."""
+def request_digest(request, tokens: int | None = None) -> str:
+    """The digest of a vLLM request's prompt (its first `tokens` positions; None: all): its token
+    ids, or else its prompt embeddings; ProtocolError for a request with neither."""
     if request.prompt_token_ids is not None:
-        return prompt_digest(request.prompt_token_ids)
+        return prompt_digest(request.prompt_token_ids[:tokens])
     embeds = getattr(request, "prompt_embeds", None)
     if embeds is None:
         raise ProtocolError(f"request {request.request_id} has neither prompt token ids nor prompt embeddings")
-    return embeds_digest(embeds)
+    return embeds_digest(embeds[:tokens])

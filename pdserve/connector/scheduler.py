@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.guard import guarded
-from pdserve.connector.leg_truncation import truncate_to_one_token
+from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
+from pdserve.connector.leg_truncation import truncate_prompt, truncate_to_one_token
 from pdserve.connector.legs.decode_receive import DecodeReceive
 from pdserve.connector.legs.prefill_hold import PrefillHold
 from pdserve.connector.legs.prefill_send import PrefillSend
@@ -38,19 +39,20 @@ class PDScheduler:
     """Called by vLLM's scheduler; see vLLM's KVConnectorBase_V1 for when each hook runs."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048, chunk: int | None = None,
-                 set_chunk: Callable[[int], None] | None = None, num_groups: int = 1):
+                 set_chunk: Callable[[int], None] | None = None, groups: KvGroups = ONE_GROUP):
         self._config = config
+        self._groups = groups
         policy = make_policy(config.placement)
         self._decode_load = DecodeLoad(budget, config.placement.stream_itl_s, chunk=chunk)
         self._pacer = StepPacer(config, budget, policy, self._decode_load, set_chunk, lambda: self._meta)
         # D
         self._decode = (DecodeReceive(config, block_size, policy, self._decode_load, lambda: self._meta,
-                                      lambda: self._pacer.chunk_limit, num_groups) if config.role is Role.CONSUMER else None)
+                                      lambda: self._pacer.chunk_limit, groups) if config.role is Role.CONSUMER else None)
         # P: where its legs' prompts are prefilled, and the legs that move their KV (WRITE) or hold it (READ)
         producer, write = config.role is Role.PRODUCER, config.mode is TransferMode.WRITE
         self._placement = PrefillPlacement(config, policy, self._pacer, lambda: self._meta) if producer else None
-        self._send = PrefillSend(config, block_size, lambda: self._meta) if producer and write else None
-        self._hold = PrefillHold(config, block_size, lambda: self._meta) if producer and not write else None
+        self._send = PrefillSend(config, block_size, lambda: self._meta, groups) if producer and write else None
+        self._hold = PrefillHold(config, block_size, lambda: self._meta, groups) if producer and not write else None
         self._siblings = Siblings()  # the legs of requests with n > 1, which share a transfer (siblings.py)
         self._meta = StepPlan()
 
@@ -111,9 +113,21 @@ class PDScheduler:
 
     @guarded()
     def on_new_request(self, request) -> None:
-        """vLLM added a request to its waiting queue. P, READ, adaptive: place its prompt now."""
+        """vLLM added a request to its waiting queue. P: a leg of a model with mamba or
+        linear-attention state leaves the prompt's last tokens to D (kv_groups.py); READ, adaptive:
+        place its prompt now."""
         if self._follows(request) is None and self._placement is not None:
+            if self._groups.has_state and self._is_leg(request):
+                truncate_prompt(request, self._groups.moved_tokens(request.num_prompt_tokens))
             self._placement.on_new_request(request)
+
+    def _is_leg(self, request) -> bool:
+        """A prefill leg, whose KV goes to another instance (not a request served whole here)."""
+        try:
+            params = parse_transfer_params(request.kv_transfer_params, request.request_id, self._config.role)
+        except ProtocolError:
+            return False  # the hooks name the problem
+        return params is not None and not addressed_to_self(params, self._config)
 
     def has_pending_push_work(self) -> bool:
         legs = self._send if self._send is not None else self._hold

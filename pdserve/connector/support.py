@@ -1,11 +1,11 @@
 """What PDConnector serves today, checked when vLLM creates it: anything else is refused at startup
 with a line naming the setting, before vLLM allocates a KV cache.
 
-Supported: KV cache groups of full and sliding-window attention (kv_groups.py), any
+Supported: KV cache groups of full attention, sliding window and mamba/linear-attention state
+(kv_groups.py; state needs P and D of one tensor-parallel size, and static placement), any
 tensor-parallel size (each rank moves its own heads, ranks.py; adaptive placement only at size 1),
-pipeline and data parallel size 1 per instance. Hybrid models with mamba or linear-attention layers
-need their state moved beside the KV blocks, which does not exist yet, and would otherwise fail
-later (vLLM's "Failed to promote local KV cache specs") or, worse, move only part of what D needs.
+pipeline and data parallel size 1 per instance. Models without any attention layer are refused:
+not tried.
 
 MLA is refused: in a trial with this refusal lifted (and its KV cache group let through) every
 block of a DeepSeek-V2-style model moved, yet its answers through PD parted from plain serving from
@@ -32,9 +32,9 @@ def unsupported(vllm_config) -> list[str]:
         if size != 1:
             reasons.append(f"{name} is {size}; PDConnector moves KV between instances of {name} 1 only")
     model = vllm_config.model_config
-    if model is not None and (getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False)):
-        reasons.append(f"model {model.model!r} has mamba or linear-attention layers, whose state PDConnector "
-                       "cannot move yet")
+    if model is not None and getattr(model, "is_attention_free", False):
+        reasons.append(f"model {model.model!r} has no attention layer (mamba or linear attention only), "
+                       "which PDConnector has not been tried with")
     if model is not None and getattr(model, "use_mla", False):
         reasons.append(f"model {model.model!r} uses multi-head latent attention (MLA), whose answers through "
                        "PDConnector are not yet shown equal to plain serving")
@@ -48,5 +48,9 @@ def check_supported(vllm_config, adaptive: bool = False) -> None:
     if adaptive and tp != 1:
         reasons.append(f"tensor_parallel_size is {tp}; adaptive placement runs at tensor_parallel_size 1 only "
                        "(use mode write or read)")
+    model = vllm_config.model_config
+    if adaptive and model is not None and getattr(model, "is_hybrid", False):
+        reasons.append(f"model {model.model!r} has mamba or linear-attention layers; adaptive placement has not "
+                       "been tried with them (use mode write or read)")
     if reasons:
         raise ConfigError("PDConnector cannot serve this configuration: " + "; ".join(reasons))

@@ -183,26 +183,26 @@ class Transfer:
                 f"layers ready={len(self.copies.layers_ready)} submitted={len(self.copies.layers_submitted)} "
                 f"copies={handles}")
 
-    def group_pairs(self, windowed: Sequence[bool] = (False,)) -> list[list[tuple[int, int]]]:
+    def group_pairs(self, sparse: Sequence[bool] = (False,)) -> list[list[tuple[int, int]]]:
         """Per KV cache group, the (local, remote) block pairs to move from `first_block` on. The
-        block lists hold one run of equal length per group, in group order. In a windowed group
-        (sliding window: vLLM puts its null block where a block left the window) a block D does
-        not need is skipped; one D needs that P no longer holds is an error."""
+        block lists hold one run of equal length per group, in group order. In a sparse group
+        (kv_groups.py: a sliding window's blocks that left it, a state group's all but the last)
+        a block D does not need is skipped; one D needs that P does not hold is an error."""
         local, remote = self.local_block_ids, self.remote_block_ids or ()
-        if len(remote) != len(local) or len(remote) % len(windowed):
+        if len(remote) != len(local) or len(remote) % len(sparse):
             raise PDServeError(f"block counts differ: {len(local)} here, {len(remote)} on the peer "
-                               f"({len(windowed)} KV cache groups)")
-        n = len(remote) // len(windowed)
+                               f"({len(sparse)} KV cache groups)")
+        n = len(remote) // len(sparse)
         out = []
-        for g, skips in enumerate(windowed):
+        for g, skips in enumerate(sparse):
             pairs = []
             for i in range(g * n + self.first_block, (g + 1) * n):
                 decode, prefill = (local[i], remote[i]) if self.side is Side.RECV else (remote[i], local[i])
                 if skips and decode == NULL_BLOCK:
                     continue
                 if skips and prefill == NULL_BLOCK:
-                    raise PDServeError(f"decode needs block {i - g * n} of KV cache group {g}, which prefill no longer "
-                                       "holds (it left the sliding window there)")
+                    raise PDServeError(f"decode needs block {i - g * n} of KV cache group {g}, which prefill does "
+                                       "not hold")
                 pairs.append((local[i], remote[i]))
             out.append(pairs)
         return out

@@ -40,6 +40,7 @@ LAYOUTS = {  # UpOptions fields of each layout
 MODES = ("write", "read")
 BLOCK_TOKENS = 128  # vLLM's CPU KV block size
 MLA_BLOCK_TOKENS = 16  # vLLM's CPU MLA backend's
+ARCH_ARGS: dict[str, tuple[str, ...]] = {}  # vLLM arguments of an architecture, collocated and PD alike
 MAX_TOKENS = 16
 CHUNK_TOKENS = 512
 RETRIES_503 = 10
@@ -114,7 +115,7 @@ def reference(arch: str, prompts: list[list[int]], port: int, tp: int = 1) -> li
     would part from it at near-ties the comparison rule does not forgive (seen: a 0.19 gap parted at
     the 16th token against serving at TP 1)."""
     options = UpOptions(mode="write", model=str(resolve_model(ARCHS[arch])), port=port, enforce_eager=True,
-                        decode_tp=tp)
+                        decode_tp=tp, extra_vllm_args=ARCH_ARGS.get(arch, ()))
     deployment = Deployment((plain_instance(options, "vllm", port, options.cores, role="decode"),))
     with Cluster(deployment, log_dir=LOG_DIR / f"matrix-reference-{arch}-tp{tp}-{port}") as cluster:
         cluster.wait_healthy(STARTUP_TIMEOUT)
@@ -127,7 +128,8 @@ def run_cell(arch: str, layout: str, mode: str, port: int, prompts: list[list[in
     model_dir = resolve_model(ARCHS[arch])
     options = dataclasses.replace(
         UpOptions(mode=mode, model=str(model_dir), port=port, enforce_eager=True,
-                  extra_vllm_args=("--max-num-batched-tokens", str(CHUNK_TOKENS))), **LAYOUTS[layout])
+                  extra_vllm_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), *ARCH_ARGS.get(arch, ()))),
+        **LAYOUTS[layout])
     cell = {"arch": arch, "layout": layout, "mode": mode, "prompts": len(prompts)}
     started = time.monotonic()
     log_dir = LOG_DIR / f"matrix-{arch}-{layout}-{mode}-{port}"

@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
-from pdserve.connector.kv_groups import flat_prompt_blocks
+from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import CancelSpec, RecvSpec, StepPlan
 from pdserve.connector.prompt_digest import request_digest
@@ -35,14 +35,14 @@ PLACEMENT_LOG_EVERY_S = 5.0
 
 class DecodeReceive:
     def __init__(self, config: ConnectorConfig, block_size: int, policy: PlacementPolicy, load: DecodeLoad,
-                 plan: Callable[[], StepPlan], chunk_limit: Callable[[], int | None], num_groups: int = 1):
+                 plan: Callable[[], StepPlan], chunk_limit: Callable[[], int | None], groups: KvGroups = ONE_GROUP):
         self._config = config
         self._block_size = block_size
         self._policy = policy
         self._load = load
         self._plan = plan  # the StepPlan being built
         self._chunk_limit = chunk_limit  # vLLM's per-prompt prefill limit as last set (logged)
-        self._num_groups = num_groups  # KV cache groups: a block list names each group's blocks (kv_groups.py)
+        self._groups = groups  # KV cache groups: a block list names each group's blocks (kv_groups.py)
         self._legs: dict[str, Leg] = {}
         self._placed_local: dict[str, int] = {}  # READ: per prefill instance, the prompts it left us that we took
         self._next_placement_log = 0.0
@@ -59,7 +59,7 @@ class DecodeReceive:
             return self._take_turn(leg)
         if leg.status is not LegStatus.NEW:
             return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
+        count = self._groups.moved_tokens(request.num_prompt_tokens) - num_computed_tokens
         if count <= 0:
             return 0, False
         if leg.params is not None:
@@ -82,11 +82,11 @@ class DecodeReceive:
         if num_external_tokens == 0:
             self._release(leg)
             return
-        block_ids = flat_prompt_blocks(blocks.get_block_ids(), self._num_prompt_blocks(request))
-        first_block = (request.num_prompt_tokens - num_external_tokens) // self._block_size
+        block_ids = self._groups.prompt_blocks(blocks.get_block_ids(), self._num_prompt_blocks(request))
+        first_block = (self._groups.moved_tokens(request.num_prompt_tokens) - num_external_tokens) // self._block_size
         if leg.params is not None:
             try:
-                digest = request_digest(request)
+                digest = request_digest(request, self._groups.moved_tokens(request.num_prompt_tokens))
             except Exception as exc:  # noqa: BLE001 - vLLM waits for this request's RecvSpec: fail it, never drop it
                 (logger.error if isinstance(exc, ProtocolError) else logger.exception)(
                     "pdserve: request %s: cannot receive its KV, recomputing it: %s", leg.request_id, exc)
@@ -172,11 +172,11 @@ class DecodeReceive:
         if not params.remote_block_ids:
             raise ProtocolError("kv_transfer_params.remote_block_ids is missing: in READ mode D needs the "
                                 "prefill response's kv_transfer_params")
-        needed = self._num_groups * self._num_prompt_blocks(request)
+        needed = self._groups.num_groups * self._num_prompt_blocks(request)
         if len(params.remote_block_ids) != needed:
             raise ProtocolError(f"kv_transfer_params.remote_block_ids names {len(params.remote_block_ids)} blocks; "
-                                f"this prompt needs {needed} ({self._num_groups} KV cache groups)")
-        if params.prompt_hash != request_digest(request):
+                                f"this prompt needs {needed} ({self._groups.num_groups} KV cache groups)")
+        if params.prompt_hash != request_digest(request, self._groups.moved_tokens(request.num_prompt_tokens)):
             raise ProtocolError("kv_transfer_params.prompt_hash is missing or names another prompt than this "
                                 "request's: the prefill computed different tokens")
 
@@ -252,4 +252,4 @@ class DecodeReceive:
                     self._load.load_of(params.peer))
 
     def _num_prompt_blocks(self, request) -> int:
-        return math.ceil(request.num_prompt_tokens / self._block_size)
+        return math.ceil(self._groups.moved_tokens(request.num_prompt_tokens) / self._block_size)

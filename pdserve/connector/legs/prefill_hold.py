@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role
-from pdserve.connector.kv_groups import flat_prompt_blocks
+from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import HoldSpec, StageSpec, StepPlan
 from pdserve.connector.prompt_digest import request_digest
@@ -31,9 +31,11 @@ logger = logging.getLogger("pdserve.connector")
 
 
 class PrefillHold:
-    def __init__(self, config: ConnectorConfig, block_size: int, plan: Callable[[], StepPlan]):
+    def __init__(self, config: ConnectorConfig, block_size: int, plan: Callable[[], StepPlan],
+                 groups: KvGroups = ONE_GROUP):
         self._config = config
         self._block_size = block_size
+        self._groups = groups  # KV cache groups: a block list names each group's blocks (kv_groups.py)
         self._plan = plan  # the StepPlan being built
         self._own = PeerAddress(config.host_ip, config.handshake_port, config.notify_port)
         self._held: dict[str, Leg] = {}  # legs ended whose blocks P holds until the worker reports the hold over
@@ -69,7 +71,8 @@ class PrefillHold:
             params = parse_transfer_params(request.kv_transfer_params, rid, Role.PRODUCER)
             num_blocks = math.ceil(request.num_prompt_tokens / self._block_size)
             block_ids = self._kv_cache_manager.get_blocks(rid).get_block_ids()
-            self._plan().stages.append(StageSpec(rid, params.transfer_id, flat_prompt_blocks(block_ids, num_blocks)))
+            self._plan().stages.append(StageSpec(rid, params.transfer_id,
+                                                 self._groups.prompt_blocks(block_ids, num_blocks)))
 
     @property
     def holding(self) -> bool:
@@ -91,10 +94,12 @@ class PrefillHold:
         if decision is not None and decision.placement is Placement.LOCAL:  # cut to one token: nothing held
             return False, build_transfer_params(params.transfer_id, self._config.engine_id, self._own, None, decision)
         num_blocks = math.ceil(request.num_prompt_tokens / self._block_size)
-        if any(len(group) < num_blocks for group in block_ids):
+        try:
+            prompt_blocks = self._groups.prompt_blocks(block_ids, num_blocks)
+        except ProtocolError as exc:
+            logger.error("pdserve: request %s: not holding its KV: %s", rid, exc)
             return False, None
-        held = Held(flat_prompt_blocks(block_ids, num_blocks), time.time() + self._config.defer_timeout,
-                    request_digest(request))
+        held = Held(prompt_blocks, time.time() + self._config.defer_timeout, request_digest(request))
         leg = Leg(request, params)
         leg.to(LegStatus.HELD)
         self._held[rid] = leg

@@ -12,7 +12,7 @@ import math
 from typing import Callable
 
 from pdserve.config import ConnectorConfig, Role
-from pdserve.connector.kv_groups import flat_prompt_blocks
+from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import CancelSpec, SendSpec, StepPlan
 from pdserve.connector.prompt_digest import request_digest
@@ -24,9 +24,11 @@ logger = logging.getLogger("pdserve.connector")
 
 
 class PrefillSend:
-    def __init__(self, config: ConnectorConfig, block_size: int, plan: Callable[[], StepPlan]):
+    def __init__(self, config: ConnectorConfig, block_size: int, plan: Callable[[], StepPlan],
+                 groups: KvGroups = ONE_GROUP):
         self._config = config
         self._block_size = block_size
+        self._groups = groups  # KV cache groups: a block list names each group's blocks (kv_groups.py)
         self._plan = plan  # the StepPlan being built
         self._kv_cache_manager = None
         self._legs: dict[str, Leg] = {}
@@ -69,7 +71,7 @@ class PrefillSend:
             try:
                 block_ids = self._kv_cache_manager.get_blocks(rid).get_block_ids()
                 send = SendSpec(rid, leg.params.transfer_id, leg.params.peer,
-                                flat_prompt_blocks(block_ids, math.ceil(request.num_prompt_tokens / self._block_size)),
+                                self._groups.prompt_blocks(block_ids, math.ceil(request.num_prompt_tokens / self._block_size)),
                                 request_digest(request))
             except Exception as exc:  # noqa: BLE001 - this request's fault or not, the others' sends go on
                 (logger.error if isinstance(exc, ProtocolError) else logger.exception)(

@@ -38,14 +38,19 @@ def test_parallel_sizes_above_one_are_refused_by_name(field, kwargs):
         check_supported(vllm_config(**kwargs))
 
 
-@pytest.mark.parametrize("kwargs", [dict(hybrid=True), dict(attention_free=True)])
-def test_models_with_state_layers_are_refused_naming_the_model(kwargs):
-    with pytest.raises(ConfigError, match="'models/m' has mamba or linear-attention layers"):
-        check_supported(vllm_config(**kwargs))
+def test_hybrid_models_are_served_with_static_placement_only():
+    assert unsupported(vllm_config(hybrid=True)) == []
+    with pytest.raises(ConfigError, match="'models/m' has mamba or linear-attention layers; adaptive placement"):
+        check_supported(vllm_config(hybrid=True), adaptive=True)
+
+
+def test_models_without_attention_layers_are_refused_naming_the_model():
+    with pytest.raises(ConfigError, match="'models/m' has no attention layer"):
+        check_supported(vllm_config(attention_free=True))
 
 
 def test_every_reason_is_named_at_once():
-    reasons = unsupported(vllm_config(pp=2, hybrid=True))
+    reasons = unsupported(vllm_config(pp=2, attention_free=True))
     assert len(reasons) == 2
 
 
@@ -53,8 +58,8 @@ def test_vllm_asks_the_connector_class_before_it_groups_the_kv_cache():
     from pdserve.connector.connector import PDConnector
 
     assert PDConnector.get_required_kvcache_layout(vllm_config()) is None
-    with pytest.raises(ConfigError, match="mamba or linear-attention"):
-        PDConnector.get_required_kvcache_layout(vllm_config(hybrid=True))
+    with pytest.raises(ConfigError, match="no attention layer"):
+        PDConnector.get_required_kvcache_layout(vllm_config(attention_free=True))
 
 
 def test_mla_models_are_refused_naming_the_model():
