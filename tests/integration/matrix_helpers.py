@@ -40,7 +40,6 @@ LAYOUTS = {  # UpOptions fields of each layout
 MODES = ("write", "read")
 BLOCK_TOKENS = 128  # vLLM's CPU KV block size
 MLA_BLOCK_TOKENS = 16  # vLLM's CPU MLA backend's
-ARCH_ARGS: dict[str, tuple[str, ...]] = {}  # vLLM arguments of an architecture, collocated and PD alike
 MAX_TOKENS = 16
 CHUNK_TOKENS = 512
 RETRIES_503 = 10
@@ -66,12 +65,14 @@ def matrix_prompts(count: int = 40, seed: int = 5) -> list[list[int]]:
 
 @dataclasses.dataclass(frozen=True)
 class KvShape:
-    """What one block of each attention layer weighs, and which layers are sliding-window."""
+    """What one block of each attention layer weighs, which layers are sliding-window, and what
+    one request's state weighs in each mamba/linear-attention layer."""
 
-    block_bytes: int  # one block of one layer, every KV head (bf16)
+    block_bytes: int  # one block of one attention layer, every KV head (bf16)
     block_tokens: int
     windowed: tuple[bool, ...]  # per attention layer
     window: int | None
+    state_bytes: int = 0  # one request's state, summed over the state layers
 
     @classmethod
     def of(cls, model_dir: Path) -> KvShape:
@@ -79,16 +80,27 @@ class KvShape:
         layers = config["num_hidden_layers"]
         window = config.get("sliding_window")
         types = config.get("layer_types") or (["sliding_attention" if window else "full_attention"] * layers)
-        windowed = tuple(t == "sliding_attention" for t in types)
+        windowed = tuple(t == "sliding_attention" for t in types if t != "linear_attention")
         if config.get("kv_lora_rank"):  # MLA: one latent per token, in 16-token blocks on vLLM's CPU backend
             latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
             return cls(MLA_BLOCK_TOKENS * latent * 2, MLA_BLOCK_TOKENS, windowed, window)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return cls(config["num_key_value_heads"] * BLOCK_TOKENS * 2 * head_dim * 2, BLOCK_TOKENS, windowed, window)
+        token_bytes = config["num_key_value_heads"] * 2 * head_dim * 2
+        if "linear_attention" not in types:
+            return cls(token_bytes * BLOCK_TOKENS, BLOCK_TOKENS, windowed, window)
+        # Gated DeltaNet: conv state (kernel - 1 columns of q, k, v) and recurrent state, bf16
+        key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+        state = ((config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim)
+                 + config["linear_num_value_heads"] * config["linear_key_head_dim"] * config["linear_value_head_dim"]) * 2
+        # vLLM grows the attention block (in BLOCK_TOKENS steps) until its page holds a layer's state
+        block = BLOCK_TOKENS * math.ceil(state / (token_bytes * BLOCK_TOKENS))
+        return cls(token_bytes * block, block, windowed, window, state * types.count("linear_attention"))
 
     def full_bytes(self, prompts: list[list[int]]) -> int:
-        """Every block of every layer of every prompt."""
-        return sum(math.ceil(len(p) / self.block_tokens) for p in prompts) * len(self.windowed) * self.block_bytes
+        """Every block of every attention layer, and the state, of every prompt."""
+        blocks = sum(math.ceil(len(p) / self.block_tokens) for p in prompts)
+        return blocks * len(self.windowed) * self.block_bytes + len(prompts) * self.state_bytes
 
     def window_bound(self, prompts: list[list[int]]) -> int:
         """At most the window's blocks of each sliding-window layer, every block of the others."""
@@ -99,7 +111,7 @@ class KvShape:
         for prompt in prompts:
             blocks = math.ceil(len(prompt) / self.block_tokens)
             total += sum(min(blocks, in_window) if w else blocks for w in self.windowed)
-        return total * self.block_bytes
+        return total * self.block_bytes + len(prompts) * self.state_bytes
 
 
 def decode_tp(layout: str) -> int:
@@ -115,7 +127,7 @@ def reference(arch: str, prompts: list[list[int]], port: int, tp: int = 1) -> li
     would part from it at near-ties the comparison rule does not forgive (seen: a 0.19 gap parted at
     the 16th token against serving at TP 1)."""
     options = UpOptions(mode="write", model=str(resolve_model(ARCHS[arch])), port=port, enforce_eager=True,
-                        decode_tp=tp, extra_vllm_args=ARCH_ARGS.get(arch, ()))
+                        decode_tp=tp)
     deployment = Deployment((plain_instance(options, "vllm", port, options.cores, role="decode"),))
     with Cluster(deployment, log_dir=LOG_DIR / f"matrix-reference-{arch}-tp{tp}-{port}") as cluster:
         cluster.wait_healthy(STARTUP_TIMEOUT)
@@ -128,8 +140,7 @@ def run_cell(arch: str, layout: str, mode: str, port: int, prompts: list[list[in
     model_dir = resolve_model(ARCHS[arch])
     options = dataclasses.replace(
         UpOptions(mode=mode, model=str(model_dir), port=port, enforce_eager=True,
-                  extra_vllm_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), *ARCH_ARGS.get(arch, ()))),
-        **LAYOUTS[layout])
+                  extra_vllm_args=("--max-num-batched-tokens", str(CHUNK_TOKENS))), **LAYOUTS[layout])
     cell = {"arch": arch, "layout": layout, "mode": mode, "prompts": len(prompts)}
     started = time.monotonic()
     log_dir = LOG_DIR / f"matrix-{arch}-{layout}-{mode}-{port}"
@@ -156,6 +167,9 @@ def run_cell(arch: str, layout: str, mode: str, port: int, prompts: list[list[in
                 transfers=int(moved[COUNTERS[1]]), transfers_failed=int(moved[COUNTERS[2]]),
                 recomputed=int(moved[COUNTERS[3]]), router_503_retried=retried,
                 seconds=round(time.monotonic() - started, 1))
+    refusal = _refusal(log_dir)  # a peer refused at its handshake: D computed the prompts itself
+    if refusal is not None:
+        cell.update(refused=True, error=refusal)
     return cell
 
 
@@ -187,11 +201,12 @@ def _counters(urls: list[str]) -> dict[str, float]:
 
 
 REPO = Path(__file__).resolve().parents[2]
-REFUSAL = re.compile(r"PDConnector cannot serve this configuration: (?!\")")  # the message, not the raising source line
+# the messages, not the raising source lines: at startup, and at a peer's handshake
+REFUSAL = re.compile(r"PDConnector cannot serve this configuration: (?!\")|peer \S+ has an incompatible KV cache \((?!\{)")
 
 
 def _refusal(log_dir: Path) -> str | None:
-    """PDConnector's startup refusal, as an instance logged it."""
+    """PDConnector's refusal, at startup or of a peer at its handshake, as an instance logged it."""
     for log in sorted(log_dir.glob("*.log")) if log_dir.exists() else ():
         for line in log.read_text(errors="replace").splitlines():
             found = REFUSAL.search(line)

@@ -1,10 +1,17 @@
 """A part of the model × layout × mode matrix (scripts/model_matrix.py runs it whole; results in
-benchmarks/model-matrix/): a sliding-window model (Gemma 2 style: alternating 128-token windows and
-global layers, two KV cache groups) between instances of different tensor-parallel sizes, one cell
-in each mode: P TP 2 -> D TP 1 in WRITE and P TP 1 -> D TP 2 in READ. Every answer through
-vllm-router equals collocated serving at D's tensor-parallel size under the comparison rule, every transfer completed (none
-failed, none recomputed), and D received at most the window's blocks of each sliding-window layer
-(and less than a transfer of every block would move).
+benchmarks/model-matrix/), one cell of each kind in each mode:
+
+- a sliding-window model (Gemma 2 style: alternating 128-token windows and global layers, two KV
+  cache groups) between instances of different tensor-parallel sizes, P TP 2 -> D TP 1 in WRITE
+  and P TP 1 -> D TP 2 in READ: every answer through vllm-router equals collocated serving at D's
+  tensor-parallel size under the comparison rule, every transfer completed (none failed, none
+  recomputed), and D received at most the window's blocks of each sliding-window layer (and less
+  than a transfer of every block would move);
+- a hybrid model (Qwen3-Next style: Gated DeltaNet layers and a full-attention layer, four KV cache
+  groups), 1P1D in both modes: every answer equals collocated serving to the last bit (max logprob
+  difference 0), and D received exactly the attention blocks of each prompt's whole 64-token
+  chunks that leave D two tokens or more, plus each Gated DeltaNet layer's state once, without
+  its page's padding (kv_groups.py).
 
 On this 2-core machine three ranks share two cores; prefill and decode keep a core each
 (launch/cores.py), so the ranks of one instance share a core.
@@ -12,9 +19,12 @@ On this 2-core machine three ranks share two cores; prefill and decode keep a co
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from tests.integration.matrix_helpers import decode_tp, matrix_prompts, reference, run_cell
+from pdserve.model.build import resolve_model
+from tests.integration.matrix_helpers import ARCHS, KvShape, decode_tp, matrix_prompts, reference, run_cell
 
 pytestmark = pytest.mark.integration
 
@@ -27,16 +37,32 @@ def refs():
     """Collocated serving's answers by tensor-parallel size, each fetched once."""
     answers = {}
 
-    def at(tp: int) -> list:
-        if tp not in answers:
-            answers[tp] = reference("sliding-window", PROMPTS, PORT, tp)
-        return answers[tp]
+    def at(arch: str, tp: int = 1) -> list:
+        if (arch, tp) not in answers:
+            answers[arch, tp] = reference(arch, PROMPTS, PORT, tp)
+        return answers[arch, tp]
     return at
 
 
 @pytest.mark.parametrize("layout, mode, port", [("p-tp2-d-tp1", "write", PORT + 20), ("p-tp1-d-tp2", "read", PORT + 40)])
 def test_sliding_window_model_between_tp_sizes_equals_collocated(refs, layout, mode, port):
-    cell = run_cell("sliding-window", layout, mode, port, PROMPTS, refs(decode_tp(layout)))
+    cell = run_cell("sliding-window", layout, mode, port, PROMPTS, refs("sliding-window", decode_tp(layout)))
     assert cell["ok"], str(cell)
     assert cell["transfers"] == 2 * len(PROMPTS) and cell["transfers_failed"] == cell["recomputed"] == 0, str(cell)
     assert 0 < cell["bytes_moved"] <= cell["bytes_window_bound"] < cell["bytes_full"], str(cell)
+
+
+GDN_CHUNK = 64
+
+
+@pytest.mark.parametrize("mode, port", [("write", PORT + 60), ("read", PORT + 80)])
+def test_hybrid_model_equals_collocated_to_the_last_bit_moving_state_once(refs, mode, port):
+    cell = run_cell("hybrid", "1p1d", mode, port, PROMPTS, refs("hybrid"))
+    assert cell["ok"] and cell["summary"].endswith("max |logprob diff| 0.0000"), str(cell)
+    taken = [(len(p) - 2) // GDN_CHUNK * GDN_CHUNK for p in PROMPTS]
+    shape = KvShape.of(resolve_model(ARCHS["hybrid"]))
+    expected = sum(math.ceil(t / shape.block_tokens) * shape.block_bytes * len(shape.windowed) + shape.state_bytes
+                   for t in taken if t > 0)
+    assert cell["transfers"] == sum(t > 0 for t in taken) and cell["transfers_failed"] == cell["recomputed"] == 0, \
+        str(cell)
+    assert cell["bytes_moved"] == expected, str(cell)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.config import ConnectorConfig, TransferMode, parse_connector_config
+from pdserve.connector.device_layout import BlockRuns
 from pdserve.connector.engine import Finished, TransferEngine
 from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout, LayerPlacement
@@ -24,6 +25,7 @@ from pdserve.transport import SharedSegment, ShmTransport, segment_name
 NUM_LAYERS = 2
 NUM_BLOCKS = 8
 BLOCK_BYTES = 64
+STATE_BYTES = 40  # a hybrid pair's state per block (`_make_side`)
 
 P_ADDRESS = PeerAddress("127.0.0.1", 6301, 6401)
 D_ADDRESS = PeerAddress("127.0.0.1", 6302, 6402)
@@ -123,9 +125,11 @@ class Instance:
     # ---- KV bytes --------------------------------------------------------------------------
 
     def block_range(self, layer: int, block: int) -> tuple[int, int]:
+        """A block's bytes; a state layer's: its whole page, padding included."""
         placement = self.layout.layers[layer]
-        start = placement.offset + block * placement.block_bytes
-        return start, start + placement.block_bytes
+        stride = placement.block_stride if isinstance(placement, BlockRuns) else placement.block_bytes
+        start = placement.offset + block * stride
+        return start, start + stride
 
     def read_block(self, layer: int, block: int) -> bytes:
         start, end = self.block_range(layer, block)
@@ -171,17 +175,22 @@ class Instance:
         self.segment.close()
 
 
-def _make_side(name: str, identity: str, layer_offset: int, num_blocks: int = NUM_BLOCKS) -> Instance:
-    """One region holding both layers; `layer_offset` pads before layer 0 so P and D differ."""
+def _make_side(name: str, identity: str, layer_offset: int, num_blocks: int = NUM_BLOCKS,
+               hybrid: bool = False) -> Instance:
+    """One region holding both layers; `layer_offset` pads before layer 0 so P and D differ.
+    `hybrid`: two KV cache groups as vLLM's hybrid KV cache manager keeps a Gated DeltaNet model,
+    layer 0 attention (group 0), layer 1 state (group 1, sparse), each of its blocks a state of
+    STATE_BYTES at the start of a page padded to BLOCK_BYTES (kv_memory.py `_state_runs`)."""
     size = layer_offset + NUM_LAYERS * num_blocks * BLOCK_BYTES
     segment = SharedSegment.create(segment_name("enginetest", name), size)
     path = segment.unlink_name()
     transport = ShmTransport(name)
     transport.register_region(0, segment.address, segment.size, path)
-    layout = KvLayout(tuple(
-        LayerPlacement(0, layer_offset + i * num_blocks * BLOCK_BYTES, BLOCK_BYTES, num_blocks)
-        for i in range(NUM_LAYERS)
-    ))
+    layers: list = [LayerPlacement(0, layer_offset + i * num_blocks * BLOCK_BYTES, BLOCK_BYTES, num_blocks)
+                    for i in range(NUM_LAYERS)]
+    if hybrid:
+        layers[1] = BlockRuns(0, layers[1].offset, BLOCK_BYTES, STATE_BYTES, (0,), num_blocks)
+    layout = KvLayout(tuple(layers), (0, 1), (False, True)) if hybrid else KvLayout(tuple(layers))
     return Instance(name, segment, transport, layout, FakeNotifier(identity), identity)
 
 
@@ -192,10 +201,11 @@ D_LAYER_OFFSET = 3 * BLOCK_BYTES
 class Pair:
     """P and D wired to each other. Use as a context manager."""
 
-    def __init__(self, mode: TransferMode, p_timeouts: dict | None = None, d_timeouts: dict | None = None):
+    def __init__(self, mode: TransferMode, p_timeouts: dict | None = None, d_timeouts: dict | None = None,
+                 hybrid: bool = False):
         self.mode = mode
-        self.p = _make_side("p", P_IDENTITY, layer_offset=P_LAYER_OFFSET)
-        self.d = _make_side("d", D_IDENTITY, layer_offset=D_LAYER_OFFSET)
+        self.p = _make_side("p", P_IDENTITY, layer_offset=P_LAYER_OFFSET, hybrid=hybrid)
+        self.d = _make_side("d", D_IDENTITY, layer_offset=D_LAYER_OFFSET, hybrid=hybrid)
         self.retired: list[Instance] = []  # incarnations replaced by `restart`, closed at the end
         self.p_config = make_config("kv_producer", mode, **(p_timeouts or {}))
         self.d_config = make_config("kv_consumer", mode, **(d_timeouts or {}))
