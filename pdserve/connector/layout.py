@@ -278,11 +278,14 @@ def _runs_ops(index: int, mine: Placement, theirs: Placement, group: Sequence[tu
 
 
 NOT_COMPARED = ("tp",)  # differs between peers by design: the pairing is derived from it (ranks.py)
+# named first when they differ: the cause, where other fields differ only because of it (a state
+# split between other numbers of ranks has other shapes)
+NAMED_FIRST = ("state_tensor_parallel_size",)
 
 
 def check_compatible(local: dict, remote: dict, peer: str) -> None:
     """Raise IncompatiblePeerError naming every differing fingerprint field."""
-    keys = sorted((set(local) | set(remote)) - set(NOT_COMPARED))
+    keys = sorted((set(local) | set(remote)) - set(NOT_COMPARED), key=lambda k: (k not in NAMED_FIRST, k))
     diffs = [f"{k}: ours {local.get(k)!r}, theirs {remote.get(k)!r}" for k in keys if local.get(k) != remote.get(k)]
     if diffs:
         raise IncompatiblePeerError(f"peer {peer} has an incompatible KV cache ({'; '.join(diffs)})")

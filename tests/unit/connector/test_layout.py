@@ -57,6 +57,13 @@ def test_check_compatible_names_every_differing_field():
     assert "cpu_isa" not in message and "model" not in message
 
 
+def test_a_hybrid_models_tp_sizes_are_named_before_the_shapes_they_change():
+    ours = {"kv_groups": ["state:[3, 512]"], "kv_layer_shapes": "a", "state_tensor_parallel_size": 1}
+    theirs = {"kv_groups": ["state:[3, 256]"], "kv_layer_shapes": "b", "state_tensor_parallel_size": 2}
+    with pytest.raises(IncompatiblePeerError, match=r"KV cache \(state_tensor_parallel_size: ours 1, theirs 2; kv_groups"):
+        check_compatible(ours, theirs, "peer")
+
+
 def test_check_compatible_accepts_equal_fingerprints():
     check_compatible({"a": 1, "b": [1, 2]}, {"b": [1, 2], "a": 1}, "peer")
 
