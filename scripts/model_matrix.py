@@ -41,9 +41,13 @@ past the 128-token window) and compares every answer with collocated serving at 
 tensor-parallel size under the comparison rule (pdserve/compare.py): 16 greedy tokens, 4 requests
 at a time (MLA: 1). KV bytes to D: what D's ranks received, beside what moving every block of every
 layer would, and, in brackets, the most that moving only each sliding-window layer's window
-(cdiv(window, block) + 1 blocks) allows. Transfers count sub-transfers (one per rank pair). A
-configuration PDConnector refuses at startup is recorded with its refusal. Last run: {date}, {cpu},
-2 cores (P and D a core each; ranks of one role share it).
+(cdiv(window, block) + 1 blocks) allows; for a model with mamba/linear-attention state, a full
+transfer is every attention block of the prompt and each state layer's state once, of which P
+computes (and D takes) the prompt up to a 64-token chunk edge that leaves D two tokens or more
+(docs/architecture.md). Transfers count sub-transfers (one per rank pair). A configuration
+PDConnector refuses at startup is recorded with its refusal; a pair it refuses at the handshake
+too, and as D then computes those prompts itself, its answers are still compared. Last run (of
+the cells last run): {date}, {cpu}, 2 cores (P and D a core each; ranks of one role share it).
 """
 
 
