@@ -148,7 +148,7 @@ def _state_chunk(index: int, spec, mamba_chunk: int | None) -> int:
     if kind == "MAMBA2" and mamba_chunk:
         return mamba_chunk
     raise ConfigError(f"KV cache group {index} keeps state of {kind or 'an unknown'} layers; PDConnector moves the "
-                      "state of Gated DeltaNet and Mamba2 layers (it has been tried with Gated DeltaNet)")
+                      "state of Gated DeltaNet and Mamba2 layers")
 
 
 ONE_GROUP = KvGroups({}, (False,), ("full",))

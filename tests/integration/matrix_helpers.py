@@ -84,6 +84,9 @@ class KvShape:
         layers = config["num_hidden_layers"]
         window = config.get("sliding_window")
         types = config.get("layer_types") or (["sliding_attention" if window else "full_attention"] * layers)
+        if "hybrid_override_pattern" in config:  # Nemotron-H: "M" Mamba-2, "*" attention, "-" MLP
+            types = [{"M": "linear_attention", "*": "full_attention"}[c] for c in config["hybrid_override_pattern"]
+                     if c != "-"]
         windowed = tuple(t == "sliding_attention" for t in types if t != "linear_attention")
         if config.get("kv_lora_rank"):  # MLA: one latent per token, in 16-token blocks on vLLM's CPU backend
             latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
@@ -92,11 +95,18 @@ class KvShape:
         token_bytes = config["num_key_value_heads"] * 2 * head_dim * 2
         if "linear_attention" not in types:
             return cls(token_bytes * BLOCK_TOKENS, BLOCK_TOKENS, windowed, window)
-        # Gated DeltaNet: conv state (kernel - 1 columns of q, k, v) and recurrent state, bf16
-        key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
-        value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
-        state = ((config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim)
-                 + config["linear_num_value_heads"] * config["linear_key_head_dim"] * config["linear_value_head_dim"]) * 2
+        if "hybrid_override_pattern" in config:
+            # Mamba-2: conv state (kernel - 1 columns of x, B and C; bf16) and SSM state (float32,
+            # vLLM's default for Nemotron-H)
+            inner = config["mamba_num_heads"] * config["mamba_head_dim"]
+            state = ((config["conv_kernel"] - 1) * (inner + 2 * config["n_groups"] * config["ssm_state_size"]) * 2
+                     + config["mamba_num_heads"] * config["mamba_head_dim"] * config["ssm_state_size"] * 4)
+        else:
+            # Gated DeltaNet: conv state (kernel - 1 columns of q, k, v) and recurrent state, bf16
+            key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+            value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+            state = ((config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim) + config["linear_num_value_heads"]
+                     * config["linear_key_head_dim"] * config["linear_value_head_dim"]) * 2
         # vLLM grows the attention block (in BLOCK_TOKENS steps) until its page holds a layer's state
         block = BLOCK_TOKENS * math.ceil(state / (token_bytes * BLOCK_TOKENS))
         return cls(token_bytes * block, block, windowed, window, state * types.count("linear_attention"))
