@@ -37,6 +37,19 @@ class FakeRequest:
         return prompt_digest(self.prompt_token_ids)
 
 
+@dataclass
+class VllmLikeRequest(FakeRequest):
+    """The fields of vLLM's Request that leg_truncation.py changes."""
+
+    prompt_embeds: object = None
+    prompt_is_token_ids: object = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._all_token_ids = list(self.prompt_token_ids)
+        self.block_hashes = [f"h{i}" for i in range(self.num_prompt_tokens // BLOCK_SIZE)]
+
+
 class FakeBlocks:
     def __init__(self, ids):
         self.ids = list(ids)

@@ -19,6 +19,7 @@ from tests.unit.connector.scheduler_fakes import (
     FakeRequest,
     Scheduler,
     SchedulerOutput,
+    VllmLikeRequest,
     consumer_params,
     producer_params,
 )
@@ -48,19 +49,6 @@ def test_p_holds_a_leg_until_d_says_prefill_here():
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).awaits == []  # asked once
     s.scheduler.update_connector_output(Output(), WorkerNews(decided={ROUTER_ID: True}))
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # prefill it here
-
-
-@dataclass
-class VllmLikeRequest(FakeRequest):
-    """The fields of vLLM's Request that leg_truncation.py changes."""
-
-    prompt_embeds: object = None
-    prompt_is_token_ids: object = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        self._all_token_ids = list(self.prompt_token_ids)
-        self.block_hashes = [f"h{i}" for i in range(self.num_prompt_tokens // BLOCK_SIZE)]
 
 
 def test_p_cuts_a_leg_d_prefills_itself_to_one_token():

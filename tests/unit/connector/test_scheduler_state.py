@@ -5,8 +5,6 @@ tokens it takes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pdserve.config import TransferMode
 from pdserve.connector.kv_groups import KvGroups
 from pdserve.connector.metadata import RecvSpec
@@ -19,6 +17,7 @@ from tests.unit.connector.scheduler_fakes import (
     FakeRequest,
     Scheduler,
     SchedulerOutput,
+    VllmLikeRequest,
     consumer_params,
     producer_params,
 )
@@ -28,18 +27,6 @@ CHUNK = 32  # two blocks of BLOCK_SIZE
 # group 0: attention; group 1: state, vLLM's prefix-caching layout (the state of the last computed
 # token's block)
 GROUPS = KvGroups({"attn": 0, "gdn": 1}, (False, False), ("full", "state:[3, 512]:bfloat16"), (None, "align"), CHUNK)
-
-
-@dataclass
-class VllmLikeRequest(FakeRequest):
-    """The fields of vLLM's Request that leg_truncation.py changes."""
-
-    prompt_embeds: object = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        self._all_token_ids = list(self.prompt_token_ids)
-        self.block_hashes = [f"h{i}" for i in range(self.num_prompt_tokens // BLOCK_SIZE)]
 
 
 class TwoGroupBlocks:
