@@ -22,8 +22,9 @@ rest runs vLLM's recurrent decode kernel, which rounds differently from the chun
 serving computes that token with. Measured on a bf16 Qwen3-Next-style model (22 prompts, 1P1D):
 with P computing all but the last token, answers up to 0.22 apart in logprob from collocated
 serving; with P stopping on a 64-token edge, 20 of 22 equal to the last bit and the two whose rest
-was one token up to 0.06 apart; with this rule, see benchmarks/model-matrix. D computes at most
-one chunk and a token (65 for Gated DeltaNet) more than with attention alone.
+was one token up to 0.06 apart; with this rule, 40 of 40 equal to the last bit in every layout
+(benchmarks/model-matrix). D computes at most one chunk and a token (65 for Gated DeltaNet) more
+than with attention alone.
 """
 
 from __future__ import annotations

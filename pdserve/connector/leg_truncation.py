@@ -1,4 +1,6 @@
-"""Shrinking a prefill leg that decode prefills itself to a one-token prompt, on P.
+"""Shrinking a prefill leg on P: to a one-token prompt when decode prefills it itself, or
+(`truncate_prompt`) to the part of the prompt P computes for a model with mamba or
+linear-attention state (kv_groups.py).
 
 vllm-router 0.1.17 waits for the prefill leg's answer in WRITE mode and fails the client's
 request if it is an error, so a leg D took must still end with a 200. It must not run the prompt
