@@ -29,31 +29,39 @@ def needs_whole_prompt(request) -> bool:
     return getattr(getattr(request, "sampling_params", None), "prompt_logprobs", None) is not None
 
 
+def _cuttable(request, longer_than: int) -> bool:
+    """Whether `request` is a token prompt of more than `longer_than` tokens, nothing computed,
+    whose answer does not need the whole prompt: one `_cut` may shorten."""
+    if needs_whole_prompt(request):
+        return False
+    try:
+        prompt, tokens = request.prompt_token_ids, request._all_token_ids
+        return (isinstance(prompt, list) and isinstance(tokens, list) and len(prompt) > longer_than
+                and getattr(request, "prompt_embeds", None) is None
+                and request.num_computed_tokens == 0 and len(tokens) == len(prompt) == request.num_prompt_tokens)
+    except AttributeError:
+        return False
+
+
+def _cut(request, keep: int) -> None:
+    del request.prompt_token_ids[keep:]
+    del request._all_token_ids[keep:]
+    request.num_prompt_tokens = keep
+
+
 def truncate_to_one_token(request) -> bool:
     """Cut `request` (a vLLM Request waiting with nothing computed) to its first prompt token;
     False, and `request` untouched, when that cannot be done safely."""
     global _warned
-    if needs_whole_prompt(request):
-        return False
-    try:
-        prompt = request.prompt_token_ids
-        tokens = request._all_token_ids
-        ok = (isinstance(prompt, list) and isinstance(tokens, list) and len(prompt) >= 1
-              and getattr(request, "prompt_embeds", None) is None
-              and getattr(request, "prompt_is_token_ids", None) is None
-              and request.num_computed_tokens == 0 and len(tokens) == len(prompt) == request.num_prompt_tokens
-              and isinstance(request.block_hashes, list))
-    except AttributeError:
-        ok = False
+    ok = (_cuttable(request, 0) and getattr(request, "prompt_is_token_ids", None) is None
+          and isinstance(getattr(request, "block_hashes", None), list))
     if not ok:
         if not _warned:
             _warned = True
             logger.warning("pdserve: cannot shrink prefill leg %s (unexpected request shape): prefilling it",
                            getattr(request, "request_id", "?"))
         return False
-    del prompt[1:]
-    del tokens[1:]
-    request.num_prompt_tokens = 1
+    _cut(request, 1)
     request.block_hashes.clear()
     return True
 
@@ -67,19 +75,7 @@ def truncate_prompt(request, keep: int) -> bool:
     stay: a block past `keep` is never computed here, so never cached."""
     if keep <= 0:
         return truncate_to_one_token(request)
-    if needs_whole_prompt(request):
+    if not _cuttable(request, keep):
         return False
-    try:
-        prompt = request.prompt_token_ids
-        tokens = request._all_token_ids
-        ok = (isinstance(prompt, list) and isinstance(tokens, list) and len(prompt) > keep
-              and getattr(request, "prompt_embeds", None) is None
-              and request.num_computed_tokens == 0 and len(tokens) == len(prompt) == request.num_prompt_tokens)
-    except AttributeError:
-        ok = False
-    if not ok:
-        return False
-    del prompt[keep:]
-    del tokens[keep:]
-    request.num_prompt_tokens = keep
+    _cut(request, keep)
     return True
