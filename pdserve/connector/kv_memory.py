@@ -43,16 +43,14 @@ class KvMemory:
         """Called once, from vLLM's `register_kv_caches`, with every layer's KV tensor (each block
         holding `local_heads` heads, outermost: ranks of other TP sizes copy them in slices;
         None: not checked). A state layer's blocks are padded pages (`_state_runs`)."""
+        for name, tensor in kv_caches.items():  # before any shared memory exists: a refusal leaves nothing
+            if not self._is_state(name):
+                self._check_shape(name, tensor, local_heads)
         placements = move_tensors_to_shared_memory(kv_caches, self._token)
         region_ids: dict[int, int] = {}
         layers: list[Placement] = []
         for index, (name, tensor) in enumerate(kv_caches.items()):
             state = self._is_state(name)
-            if not state and not tensor.is_contiguous():
-                raise PDServeError(f"KV cache of {name} is not contiguous; PDConnector needs block-contiguous KV")
-            if not state and local_heads is not None and (tensor.dim() != 4 or tensor.shape[1] != local_heads):
-                raise PDServeError(f"KV cache of {name} has shape {list(tensor.shape)}; PDConnector needs "
-                                   f"[blocks, {local_heads} heads, block size, head bytes]")
             placement = placements[name]
             segment = placement.segment
             if id(segment) not in region_ids:
@@ -72,6 +70,13 @@ class KvMemory:
 
     def _is_state(self, name: str) -> bool:
         return self._groups.state_mode(self._groups.group_of(name)) is not None
+
+    def _check_shape(self, name: str, tensor, local_heads: int | None) -> None:
+        if not tensor.is_contiguous():
+            raise PDServeError(f"KV cache of {name} is not contiguous; PDConnector needs block-contiguous KV")
+        if local_heads is not None and (tensor.dim() != 4 or tensor.shape[1] != local_heads):
+            raise PDServeError(f"KV cache of {name} has shape {list(tensor.shape)}; PDConnector needs "
+                               f"[blocks, {local_heads} heads, block size, head bytes]")
 
     def register_device(self, kv_caches: dict, transport, local_heads: int | None) -> None:
         """`register` for KV on a GPU: vLLM's per-layer views `[blocks, heads, tokens, content]`

@@ -7,13 +7,16 @@ tensor-parallel size (each rank moves its own heads, ranks.py; adaptive placemen
 pipeline and data parallel size 1 per instance. Models without any attention layer are refused:
 not tried.
 
-MLA is refused: in a trial with this refusal lifted (and its KV cache group let through) every
-block of a DeepSeek-V2-style model moved, yet its answers through PD parted from plain serving from
-the first token on, one request at a time. On vLLM's CPU reference MLA backend (the
-one without AMX) plain serving does not repeat itself either once requests share batches, so
-nothing here yet tells a numeric difference (D computes the last prompt token through the
-weight-absorbed decode kernel, plain serving through prefill) from a defect: until something
-does, MLA is not served.
+MLA is refused: vLLM's CPU MLA backend (the one without AMX) does not agree with itself. In
+collocated serving at float32, one request at a time, the token after the first, computed by its
+decode path (weight-absorbed attention over the cached latents), and the same token computed by
+its prefill path (over the prompt and the first token), differ by up to 1.29 in logprob and are
+different tokens for 10 of 12 prompts (scripts/mla_paths.py); 4 requests at a time part from 1 at
+a time at the first token. D computes a prompt's last token by the decode path where plain
+serving uses prefill, so PD's answers part from plain serving (measured, float32, 1P1D WRITE and
+READ: every block of 40 prompts moved, none failed, answers parted at the first token). Nothing
+on this backend can tell a transfer defect from that, so MLA is not served until a backend whose
+two paths agree (AMX, a GPU) shows it.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from tests.integration.pd_helpers import LOG_DIR
 
 pytestmark = pytest.mark.integration
 
-# llama serves in every other test; gemma2 serves collocated and through PD in test_model_matrix (P and D of different TP sizes)
-NEW_ARCHS = [name for name in ARCHS if name not in ("llama", "gemma2")]
+# llama serves in every other test; gemma2 and qwen3-next serve collocated and through PD in test_model_matrix
+NEW_ARCHS = [name for name in ARCHS if name not in ("llama", "gemma2", "qwen3-next")]
 PORT = 27800  # and the next 20 per architecture
 MAX_TOKENS = 24
 MLA_WITHOUT_AMX = not torch.cpu._is_amx_tile_supported()  # the reference MLA backend: no prefix caching, no chunks

@@ -1,7 +1,6 @@
 """What PDConnector cannot serve yet is refused at startup with its reason (connector/support.py): an
-MLA model, and a hybrid model with linear-attention layers under adaptive placement, through
-`pdserve up` end in one line that names the model and the missing support, and nothing is left
-running."""
+MLA model through `pdserve up` ends in one line that names the model and the missing support, and
+nothing is left running. (The other refusals take the same path: tests/unit/connector/test_support.py.)"""
 
 import subprocess
 import sys
@@ -15,7 +14,6 @@ PORT = 18440
 
 @pytest.mark.parametrize("model, mode, why", [
     ("deepseek-v2-tiny", "write", "multi-head latent attention"),
-    ("qwen3-next-tiny", "adaptive", "adaptive placement has not been tried"),
 ])
 def test_model_is_refused_at_startup_naming_why(model, mode, why):
     result = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--mode", mode, "--model", model,

@@ -6,6 +6,8 @@ is refused naming the layer."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -66,3 +68,11 @@ def test_a_state_larger_than_its_block_stride_is_refused_naming_the_layer():
                             local_heads=HEADS)
     finally:
         memory.close()
+
+
+def test_a_kv_cache_of_the_wrong_shape_is_refused_before_any_shared_memory_exists():
+    before = {n for n in os.listdir("/dev/shm") if "kvshapetest" in n}
+    memory = KvMemory({"model": "m"}, "kvshapetest", KvGroups({}, (False,), ("full",), (), 1))
+    with pytest.raises(PDServeError, match=r"KV cache of l0 has shape \[8, 16, 576\]"):
+        memory.register({"l0": torch.zeros(BLOCKS, TOKENS, 576, dtype=torch.bfloat16)}, Regions(), local_heads=1)
+    assert {n for n in os.listdir("/dev/shm") if "kvshapetest" in n} == before, "a refused cache leaves no segment"
