@@ -1,6 +1,6 @@
 """The model × layout × mode correctness matrix on real vLLM (tests/integration/matrix_helpers.py):
-architectures {llama, sliding-window, hybrid, mla} × layouts {1p1d, P TP2 -> D TP1, P TP1 -> D TP2,
-2p1d} × {write, read}, 40 prompts each through vllm-router, every answer compared with collocated
+architectures {llama, sliding-window, hybrid, mamba2, mla} × layouts {1p1d, P TP2 -> D TP1,
+P TP1 -> D TP2, P TP2 -> D TP2, 2p1d} × {write, read}, 40 prompts each through vllm-router, every answer compared with collocated
 serving of the same model, the KV bytes D received beside a full transfer's. After each cell it
 updates benchmarks/model-matrix/results.json (cells run again replace their earlier result) and
 results.md. A configuration PDConnector refuses at startup is recorded with its refusal.
@@ -36,10 +36,11 @@ OUT = ROOT / "benchmarks" / "model-matrix"
 HEADER = """# Model x layout x mode matrix (real vLLM, through vllm-router)
 
 `scripts/model_matrix.py`: each cell deploys P and D of one architecture's tiny model in one layout
-(prefix caching on), sends 40 prompts (1 to 2,000 tokens: shorter than a block, on block edges,
+(prefix caching on, except where vLLM's CPU backend needs it off: Mamba-2, and MLA, whose CPU backend
+turns it off itself), sends 40 prompts (1 to 2,000 tokens: shorter than a block, on block edges,
 past the 128-token window) and compares every answer with collocated serving at D's
 tensor-parallel size under the comparison rule (pdserve/compare.py): 16 greedy tokens, 4 requests
-at a time (MLA: 1). KV bytes to D: what D's ranks received, beside what moving every block of every
+at a time. KV bytes to D: what D's ranks received, beside what moving every block of every
 layer would, and, in brackets, the most that moving only each sliding-window layer's window
 (cdiv(window, block) + 1 blocks) allows; for a model with mamba/linear-attention state, a full
 transfer is every attention block of the prompt and each state layer's state once, of which P

@@ -42,7 +42,7 @@ NULL_BLOCK = 0  # vLLM's null block
 class KvGroups:
     layer_group: Mapping[str, int]  # vLLM layer name -> its group; empty: one group of every layer
     windowed: tuple[bool, ...]  # per group: sliding window
-    described: tuple[str, ...]  # per group, compared in the handshake: "full", "sliding_window:160", "state:..."
+    described: tuple[str, ...]  # per group, compared in the handshake: "full", "mla", "sliding_window:160", "state:..."
     state: tuple[str | None, ...] = ()  # per group: vLLM's mamba_cache_mode of a state group, None for KV
     state_chunk: int = 1  # tokens: P's share of a prompt ends on a multiple of it (module docstring)
 
@@ -103,7 +103,7 @@ class KvGroups:
             kind = type(spec).__name__
             if kind not in MOVABLE:
                 raise ConfigError(f"PDConnector cannot move KV cache group {index} ({kind}): only full-attention, "
-                                  "sliding-window and mamba/linear-attention state groups")
+                                  "MLA, sliding-window and mamba/linear-attention state groups")
             mode = _state_mode(index, spec) if kind == "MambaSpec" else None
             if mode is not None:
                 chunks.append(_state_chunk(index, spec, mamba_chunk))
@@ -154,4 +154,6 @@ def _state_chunk(index: int, spec, mamba_chunk: int | None) -> int:
 
 ONE_GROUP = KvGroups({}, (False,), ("full",))
 # vLLM's KV cache spec classes PDConnector moves, and how the fingerprint names each
-MOVABLE = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window", "MambaSpec": "state"}
+# (MLA's group, one latent per token that every head shares, moves as full attention does)
+MOVABLE = {"FullAttentionSpec": "full", "MLAAttentionSpec": "mla", "SlidingWindowSpec": "sliding_window",
+           "MambaSpec": "state"}

@@ -7,16 +7,12 @@ tensor-parallel size (each rank moves its own heads, ranks.py; adaptive placemen
 pipeline and data parallel size 1 per instance. Models without any attention layer are refused:
 not tried.
 
-MLA is refused: vLLM's CPU MLA backend (the one without AMX) does not agree with itself. In
-collocated serving at float32, one request at a time, the token after the first, computed by its
-decode path (weight-absorbed attention over the cached latents), and the same token computed by
-its prefill path (over the prompt and the first token), differ by up to 1.29 in logprob and are
-different tokens for 10 of 12 prompts (scripts/mla_paths.py); 4 requests at a time part from 1 at
-a time at the first token. D computes a prompt's last token by the decode path where plain
-serving uses prefill, so PD's answers part from plain serving (measured, float32, 1P1D WRITE and
-READ: every block of 40 prompts moved, none failed, answers parted at the first token). Nothing
-on this backend can tell a transfer defect from that, so MLA is not served until a backend whose
-two paths agree (AMX, a GPU) shows it.
+MLA (one latent per token, every rank holding it whole) moves as full attention does. On CPU it is
+served only with pdserve's patch of vLLM's rotary kernel in place (vllm_patches/cpu_rope.py):
+without it vLLM's own answers for an MLA model are wrong and its prefill and decode paths disagree
+(up to 1.29 in logprob at float32), and D computes a prompt's last token by the decode path where
+plain serving uses prefill, so no PD answer could equal plain serving. MLA with adaptive placement
+has not been tried and is refused.
 """
 
 from __future__ import annotations
@@ -38,10 +34,22 @@ def unsupported(vllm_config) -> list[str]:
     if model is not None and getattr(model, "is_attention_free", False):
         reasons.append(f"model {model.model!r} has no attention layer (mamba or linear attention only), "
                        "which PDConnector has not been tried with")
-    if model is not None and getattr(model, "use_mla", False):
-        reasons.append(f"model {model.model!r} uses multi-head latent attention (MLA), whose answers through "
-                       "PDConnector are not yet shown equal to plain serving")
+    if model is not None and getattr(model, "use_mla", False) and not _mla_rope_sound():
+        reasons.append(f"model {model.model!r} uses multi-head latent attention (MLA), and vLLM's CPU rotary "
+                       "kernel, which rotates MLA's query and key at the wrong places, is not patched "
+                       "(pdserve.vllm_patches.cpu_rope did not apply to this vLLM)")
     return reasons
+
+
+def _mla_rope_sound() -> bool:
+    """True unless this is a CPU whose vLLM rotary kernel pdserve's patch did not fix."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return True
+    from pdserve.vllm_patches import cpu_rope
+
+    return cpu_rope.applied()
 
 
 def check_supported(vllm_config, adaptive: bool = False) -> None:
@@ -55,5 +63,8 @@ def check_supported(vllm_config, adaptive: bool = False) -> None:
     if adaptive and model is not None and getattr(model, "is_hybrid", False):
         reasons.append(f"model {model.model!r} has mamba or linear-attention layers; adaptive placement has not "
                        "been tried with them (use mode write or read)")
+    if adaptive and model is not None and getattr(model, "use_mla", False):
+        reasons.append(f"model {model.model!r} uses multi-head latent attention (MLA); adaptive placement has not "
+                       "been tried with it (use mode write or read)")
     if reasons:
         raise ConfigError("PDConnector cannot serve this configuration: " + "; ".join(reasons))

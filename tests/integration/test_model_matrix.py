@@ -14,7 +14,12 @@ benchmarks/model-matrix/), one cell of each kind in each mode:
   (max logprob difference at most 0.005; collocated serving against itself parts by 0.0005 across
   batchings, NixlConnector's last-token rule by 0.22), and D received exactly the attention blocks of each prompt's whole 64-token
   chunks that leave D two tokens or more, plus each Gated DeltaNet layer's state once, without
-  its page's padding (kv_groups.py).
+  its page's padding (kv_groups.py);
+- an MLA model (DeepSeek-V2 style: one 576-wide latent per token, which every rank holds whole),
+  P TP 2 -> D TP 1 in read mode: every answer equals collocated serving under the comparison rule,
+  and D read each prompt's latents once, from one P rank (one sub-transfer, exactly a full
+  transfer's bytes), the other P rank released without a read. It runs on CPU only with pdserve's
+  patch of vLLM's rotary kernel (pdserve/vllm_patches/cpu_rope.py).
 
 On this 2-core machine three ranks share two cores; prefill and decode keep a core each
 (launch/cores.py), so the ranks of one instance share a core.
@@ -72,3 +77,11 @@ def test_hybrid_model_equals_collocated_to_the_last_bit_moving_state_once(refs, 
     assert cell["transfers"] == sum(t > 0 for t in taken) and cell["transfers_failed"] == cell["recomputed"] == 0, \
         str(cell)
     assert cell["bytes_moved"] == expected, str(cell)
+
+
+@pytest.mark.parametrize("mode, port", [("read", PORT + 100)])
+def test_mla_model_read_from_one_of_two_p_ranks_equals_collocated(refs, mode, port):
+    cell = run_cell("mla", "p-tp2-d-tp1", mode, port, PROMPTS, refs("mla"))
+    assert cell["ok"], str(cell)
+    assert cell["transfers"] == len(PROMPTS) and cell["transfers_failed"] == cell["recomputed"] == 0, str(cell)
+    assert cell["bytes_moved"] == cell["bytes_full"], str(cell)

@@ -1,6 +1,6 @@
 """What PDConnector cannot serve yet is refused at startup with its reason (connector/support.py): an
-MLA model through `pdserve up` ends in one line that names the model and the missing support, and
-nothing is left running. (The other refusals take the same path: tests/unit/connector/test_support.py.)"""
+MLA model under adaptive placement through `pdserve up` ends in one line that names the model and
+the missing support, and nothing is left running. (The other refusals take the same path: tests/unit/connector/test_support.py.)"""
 
 import subprocess
 import sys
@@ -13,7 +13,7 @@ PORT = 18440
 
 
 @pytest.mark.parametrize("model, mode, why", [
-    ("deepseek-v2-tiny", "write", "multi-head latent attention"),
+    ("deepseek-v2-tiny", "adaptive", "multi-head latent attention (MLA); adaptive placement has not been tried"),
 ])
 def test_model_is_refused_at_startup_naming_why(model, mode, why):
     result = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--mode", mode, "--model", model,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -46,10 +47,19 @@ def test_sliding_window_and_full_groups_are_moved_and_named_with_their_window():
     assert [groups.group_of(n) for n in ("l0", "l1", "l2", "l3")] == [0, 1, 0, 1]
 
 
-def test_an_mla_group_is_refused_naming_its_kind():
+def test_an_mla_group_moves_whole_like_full_attention_and_is_named_mla():
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    with pytest.raises(ConfigError, match=r"cannot move KV cache group 0 \(MLAAttentionSpec\)"):
-        KvGroups.from_kv_cache_config(config((["l0", "l1"], mla)), 16)
+    groups = KvGroups.from_kv_cache_config(config((["l0", "l1"], mla)), 16)
+    assert groups.described == ("mla",)
+    assert groups.windowed == (False,)
+    assert groups.state == ()
+
+
+def test_a_group_of_a_kind_it_cannot_move_is_refused_naming_its_kind():
+    spec = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                     attention_chunk_size=64)
+    with pytest.raises(ConfigError, match=r"cannot move KV cache group 0 \(ChunkedLocalAttentionSpec\)"):
+        KvGroups.from_kv_cache_config(config((["l0", "l1"], spec)), BLOCK)
 
 
 def mamba(mode="align", block=BLOCK, speculative=0, kind=MambaAttentionBackendEnum.GDN_ATTN):

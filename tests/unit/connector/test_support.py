@@ -62,9 +62,29 @@ def test_vllm_asks_the_connector_class_before_it_groups_the_kv_cache():
         PDConnector.get_required_kvcache_layout(vllm_config(attention_free=True))
 
 
-def test_mla_models_are_refused_naming_the_model():
-    with pytest.raises(ConfigError, match="'models/m' uses multi-head latent attention .MLA., whose answers"):
+def test_mla_models_are_served_on_cpu_with_the_rotary_patch_in_place(monkeypatch):
+    from pdserve.vllm_patches import cpu_rope
+
+    monkeypatch.setattr(cpu_rope, "applied", lambda: True)
+    assert unsupported(vllm_config(mla=True)) == []
+    check_supported(vllm_config(mla=True, tp=2))
+
+
+def test_mla_models_are_refused_on_cpu_where_the_rotary_patch_did_not_apply(monkeypatch):
+    from pdserve.vllm_patches import cpu_rope
+
+    monkeypatch.setattr(cpu_rope, "applied", lambda: False)
+    with pytest.raises(ConfigError, match="'models/m' uses multi-head latent attention .MLA., and vLLM's CPU rotary "
+                                          "kernel.*is not patched"):
         check_supported(vllm_config(mla=True))
+
+
+def test_mla_models_with_adaptive_placement_are_refused(monkeypatch):
+    from pdserve.vllm_patches import cpu_rope
+
+    monkeypatch.setattr(cpu_rope, "applied", lambda: True)
+    with pytest.raises(ConfigError, match="'models/m' uses multi-head latent attention .MLA.; adaptive placement"):
+        check_supported(vllm_config(mla=True), adaptive=True)
 
 
 def test_an_mla_model_counts_one_kv_head_whatever_its_config_says():

@@ -1,4 +1,4 @@
-"""pdserve's patch of vLLM's seeded sampling on CPU generators (pdserve.vllm_patches).
+"""pdserve's patch of vLLM's seeded sampling on CPU generators (pdserve.vllm_patches.seeded_sampling).
 
 The steps run vLLM's own `GPUModelRunner._sample` and `_bookkeeping_sync` with vLLM's `InputBatch`
 and `Sampler`; only the runner's glue around them is a stand-in. The patch is installed the way
@@ -114,7 +114,7 @@ def test_generators_with_an_offset_are_rewound_by_vllm_itself():
 
 
 def test_code_that_does_not_match_is_left_alone_with_a_warning(caplog):
-    from pdserve import vllm_patches
+    from pdserve.vllm_patches import seeded_sampling
 
     class OtherRunner:
         def _sample(self):
@@ -124,14 +124,15 @@ def test_code_that_does_not_match_is_left_alone_with_a_warning(caplog):
             return None
 
     with caplog.at_level(logging.WARNING, logger="pdserve"):
-        assert vllm_patches.patch_model_runner(OtherRunner) is False
+        assert seeded_sampling.patch_model_runner(OtherRunner) is False
     assert "left unpatched" in caplog.text
     assert OtherRunner.__dict__["_sample"].__name__ == "_sample"
-    assert not hasattr(OtherRunner, vllm_patches.PATCHED_MARK)
+    assert not hasattr(OtherRunner, seeded_sampling.PATCHED_MARK)
 
 
 def test_install_patches_the_runner_module_when_it_is_imported_later(tmp_path, monkeypatch):
     from pdserve import vllm_patches
+    from pdserve.vllm_patches import seeded_sampling
 
     name = "pdserve_test_runner_module"
     (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
@@ -145,7 +146,8 @@ def test_install_patches_the_runner_module_when_it_is_imported_later(tmp_path, m
                     gen.set_offset(gen.get_offset() - 4)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(vllm_patches, "RUNNER_MODULE", name)
+    monkeypatch.setattr(seeded_sampling, "MODULE", name)
+    monkeypatch.setattr(vllm_patches, "PATCHES", (seeded_sampling,))
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.delitem(sys.modules, name, raising=False)
 
@@ -153,6 +155,6 @@ def test_install_patches_the_runner_module_when_it_is_imported_later(tmp_path, m
     vllm_patches.install()
     module = __import__(name)
 
-    assert getattr(module.GPUModelRunner, vllm_patches.PATCHED_MARK) is True
+    assert getattr(module.GPUModelRunner, seeded_sampling.PATCHED_MARK) is True
     assert not any(isinstance(finder, vllm_patches._PatchOnImport) for finder in sys.meta_path)
     sys.modules.pop(name, None)

@@ -1,6 +1,4 @@
-"""pdserve's patches to the vLLM it ships, installed in every vLLM process by the plugin entry point.
-
-Seeded sampling on CPU. vLLM samples a token for every scheduled request, also for a prompt whose
+"""Seeded sampling on CPU. vLLM samples a token for every scheduled request, also for a prompt whose
 prefill this step only partly covers (a chunk), and throws that token away. So that a seeded request
 draws the numbers it would have drawn had that step not sampled for it,
 `GPUModelRunner._bookkeeping_sync` rewinds the request's generator with
@@ -14,32 +12,20 @@ offset are left to vLLM.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import inspect
 import logging
-import sys
 
 from pdserve.vllm_logging import route_logs_to_vllm
 
-RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+MODULE = "vllm.v1.worker.gpu_model_runner"
 REWIND = "gen.set_offset(gen.get_offset() - 4)"
 PATCHED_MARK = "_pdserve_keeps_cpu_generators"
 
 logger = logging.getLogger("pdserve.vllm_patches")
 
 
-def install() -> None:
-    """Patch vLLM's model runner now if it is imported, else when vLLM imports it.
-
-    Called by the plugin entry point in every vLLM process (API server, engine core, workers);
-    idempotent. A process that never imports the model runner is left as it was.
-    """
-    module = sys.modules.get(RUNNER_MODULE)
-    if module is not None:
-        patch_model_runner(module.GPUModelRunner)
-    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+def patch(module) -> bool:
+    return patch_model_runner(module.GPUModelRunner)
 
 
 def patch_model_runner(runner_class: type) -> bool:
@@ -119,24 +105,3 @@ def _unexpected(runner_class: type) -> str | None:
         if expected not in source:
             return f"_bookkeeping_sync no longer contains {expected!r}"
     return None
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds vLLM's model runner module once, through the other finders, and patches it right
-    after it has executed."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != RUNNER_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_patch(module):
-            exec_module(module)
-            patch_model_runner(module.GPUModelRunner)
-
-        spec.loader.exec_module = exec_then_patch
-        return spec
