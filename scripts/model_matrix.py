@@ -41,7 +41,8 @@ turns it off itself), sends 40 prompts (1 to 2,000 tokens: shorter than a block,
 past the 128-token window) and compares every answer with collocated serving at D's
 tensor-parallel size under the comparison rule (pdserve/compare.py): 16 greedy tokens, 4 requests
 at a time. KV bytes to D: what D's ranks received, beside what moving every block of every
-layer would, and, in brackets, the most that moving only each sliding-window layer's window
+layer would (to each of D's ranks that holds it: where D has more ranks than KV heads, as MLA's one
+latent at D TP 2, every rank holds a whole copy), and, in brackets, the most that moving only each sliding-window layer's window
 (cdiv(window, block) + 1 blocks) allows; for a model with mamba/linear-attention state, a full
 transfer is every attention block of the prompt and each state layer's state once, of which P
 computes (and D takes) the prompt up to a 64-token chunk edge that leaves D two tokens or more

@@ -1,7 +1,7 @@
 """What PDConnector serves today, checked when vLLM creates it: anything else is refused at startup
 with a line naming the setting, before vLLM allocates a KV cache.
 
-Supported: KV cache groups of full attention, sliding window and mamba/linear-attention state
+Supported: KV cache groups of full attention, MLA, sliding window and mamba/linear-attention state
 (kv_groups.py; state needs P and D of one tensor-parallel size, and static placement), any
 tensor-parallel size (each rank moves its own heads, ranks.py; adaptive placement only at size 1),
 pipeline and data parallel size 1 per instance. Models without any attention layer are refused:

@@ -12,7 +12,7 @@ code it was written for, and otherwise leaves it alone with a warning.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
+import importlib.machinery
 import sys
 
 from pdserve.vllm_patches import cpu_rope, seeded_sampling
@@ -41,8 +41,8 @@ def install() -> None:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds each target module once, through the other finders, and patches it right after it has
-    executed; leaves `sys.meta_path` when none is left."""
+    """Finds each target module once on the path and patches it right after it has executed; leaves
+    `sys.meta_path` when none is left."""
 
     def __init__(self, pending: dict):
         self.pending = dict(pending)
@@ -53,8 +53,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             return None
         if not self.pending:
             sys.meta_path.remove(self)
-        # The other finders, without this one (still pending ones stay in `self.pending`).
-        spec = _find_without(self, fullname)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
@@ -65,14 +64,3 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_then_patch
         return spec
-
-
-def _find_without(finder: _PatchOnImport, fullname: str):
-    present = finder in sys.meta_path
-    if present:
-        sys.meta_path.remove(finder)
-    try:
-        return importlib.util.find_spec(fullname)
-    finally:
-        if present:
-            sys.meta_path.insert(0, finder)

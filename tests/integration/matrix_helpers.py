@@ -75,6 +75,7 @@ class KvShape:
     windowed: tuple[bool, ...]  # per attention layer
     window: int | None
     state_bytes: int = 0  # one request's state, summed over the state layers
+    kv_heads: int = 1  # KV heads of an attention layer (MLA: its one latent)
 
     @classmethod
     def of(cls, model_dir: Path) -> KvShape:
@@ -88,11 +89,12 @@ class KvShape:
         windowed = tuple(t == "sliding_attention" for t in types if t != "linear_attention")
         if config.get("kv_lora_rank"):  # MLA: one latent per token, in 16-token blocks on vLLM's CPU backend
             latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-            return cls(MLA_BLOCK_TOKENS * latent * 2, MLA_BLOCK_TOKENS, windowed, window)
+            return cls(MLA_BLOCK_TOKENS * latent * 2, MLA_BLOCK_TOKENS, windowed, window, kv_heads=1)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         token_bytes = config["num_key_value_heads"] * 2 * head_dim * 2
+        heads = config["num_key_value_heads"]
         if "linear_attention" not in types:
-            return cls(token_bytes * BLOCK_TOKENS, BLOCK_TOKENS, windowed, window)
+            return cls(token_bytes * BLOCK_TOKENS, BLOCK_TOKENS, windowed, window, kv_heads=heads)
         if "hybrid_override_pattern" in config:
             # Mamba-2: conv state (kernel - 1 columns of x, B and C; bf16) and SSM state (float32,
             # vLLM's default for Nemotron-H)
@@ -107,23 +109,30 @@ class KvShape:
                      * config["linear_key_head_dim"] * config["linear_value_head_dim"]) * 2
         # vLLM grows the attention block (in BLOCK_TOKENS steps) until its page holds a layer's state
         block = BLOCK_TOKENS * math.ceil(state / (token_bytes * BLOCK_TOKENS))
-        return cls(token_bytes * block, block, windowed, window, state * types.count("linear_attention"))
+        return cls(token_bytes * block, block, windowed, window, state * types.count("linear_attention"), heads)
 
-    def full_bytes(self, prompts: list[list[int]]) -> int:
-        """Every block of every attention layer, and the state, of every prompt."""
+    def _head_copies(self, decode_tp: int) -> float:
+        """How many times D's ranks together hold each KV head: once, or more where D has more ranks
+        than heads (each rank then holds one whole; MLA's latent: every rank)."""
+        return max(self.kv_heads, decode_tp) / self.kv_heads
+
+    def full_bytes(self, prompts: list[list[int]], decode_tp: int = 1) -> int:
+        """Every block of every attention layer, for each of D's ranks that holds it, and the state,
+        of every prompt."""
         blocks = sum(math.ceil(len(p) / self.block_tokens) for p in prompts)
-        return blocks * len(self.windowed) * self.block_bytes + len(prompts) * self.state_bytes
+        attention = blocks * len(self.windowed) * self.block_bytes * self._head_copies(decode_tp)
+        return int(attention) + len(prompts) * self.state_bytes
 
-    def window_bound(self, prompts: list[list[int]]) -> int:
+    def window_bound(self, prompts: list[list[int]], decode_tp: int = 1) -> int:
         """At most the window's blocks of each sliding-window layer, every block of the others."""
         if self.window is None:
-            return self.full_bytes(prompts)
+            return self.full_bytes(prompts, decode_tp)
         in_window = math.ceil(self.window / self.block_tokens) + 1
         total = 0
         for prompt in prompts:
             blocks = math.ceil(len(prompt) / self.block_tokens)
             total += sum(min(blocks, in_window) if w else blocks for w in self.windowed)
-        return total * self.block_bytes + len(prompts) * self.state_bytes
+        return int(total * self.block_bytes * self._head_copies(decode_tp)) + len(prompts) * self.state_bytes
 
 
 def decode_tp(layout: str) -> int:
@@ -176,7 +185,8 @@ def run_cell(arch: str, layout: str, mode: str, port: int, prompts: list[list[in
     shape = KvShape.of(model_dir)
     result = compare_greedy(refs, candidate)
     cell.update(ok=result.ok, summary=result.summary(), bytes_moved=int(moved[COUNTERS[0]]),
-                bytes_full=shape.full_bytes(prompts), bytes_window_bound=shape.window_bound(prompts),
+                bytes_full=shape.full_bytes(prompts, decode_tp(layout)),
+                bytes_window_bound=shape.window_bound(prompts, decode_tp(layout)),
                 transfers=int(moved[COUNTERS[1]]), transfers_failed=int(moved[COUNTERS[2]]),
                 recomputed=int(moved[COUNTERS[3]]), router_503_retried=retried,
                 seconds=round(time.monotonic() - started, 1))
