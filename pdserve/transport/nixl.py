@@ -3,22 +3,26 @@
 Works within a host (UCX picks CMA, one kernel copy) and across hosts (TCP, or RDMA where the
 hardware has it). Each batch becomes one NIXL request holding every copy of the batch (the
 connector merged neighbouring blocks already). The copy thread (copy_thread.py) posts queued
-batches, polls the requests in flight and finishes their handles; a request not complete by its
-batch's `not_after` deadline or after `copy_timeout_s` is aborted and failed, as is every request
-to a peer that is detached or whose agent died (UCX reports the broken endpoint).
+batches, polls the requests in flight and finishes their handles.
 
-Aborting is releasing the request (NIXL aborts it first). Its handle fails only once the release
-succeeded: a request NIXL could not release may still be moving bytes, so its handle stays
-PENDING ("still copying") and the release is retried at every poll. For a WRITE that is memory
-of the peer's, which the peer will reuse once its own fence passed; nothing here can stop the
-bytes any more, so `on_stuck_write` is called, and by default it ends this process (a process
-that is gone posts no more bytes, and its agent's endpoints close with it).
+A posted request cannot be stopped: releasing it (NIXL's abort) cancels nothing of an RMA put or
+get, whose bytes go on landing (measured over UCX TCP, 256 MiB: up to 0.41 s after the release),
+and invalidating the peer's agent does not stop them either. So a handle fails only once its
+request *ended* (NIXL reports it complete or failed; a broken endpoint fails it). A request still
+running at its batch's `not_after` deadline, after `copy_timeout_s`, or whose peer is detached
+or the transport closed, is *overdue*: it is polled on, not released, its handle stays PENDING
+("still copying", transport/base.py) and fails when the request ends. An overdue request gets a
+bounded drain (`write_drain_s`, `read_drain_s`); one still running after it cannot be known to
+end, so `on_stuck_copy` is called, which by default ends this process (a process that is gone
+posts no more bytes and its memory is never reused). A WRITE's drain must end before the peer's
+fence (release_grace + margin after the deadline, 2.25 s by default; write_recv.py).
 
 A peer is attached with its region descriptors plus its agent metadata (`local_endpoint()` on the
-other side), which travels in the authenticated handshake. Regions in host memory register as
-DRAM, regions on a GPU as VRAM under the GPU's ordinal (`nixl_memory`), for UCX's CUDA transports;
-a peer's region is posted as its descriptor's device says. One batch reads or writes one memory
-type on each side (a KV cache lives on one device).
+other side), which travels in the authenticated handshake; a detached peer's agent is forgotten
+once its last request ended. Regions in host memory register as DRAM, regions on a GPU as VRAM
+under the GPU's ordinal (`nixl_memory`), for UCX's CUDA transports; a peer's region is posted as
+its descriptor's device says. One batch reads or writes one memory type on each side (a KV cache
+lives on one device).
 """
 
 from __future__ import annotations
@@ -39,11 +43,14 @@ from pdserve.transport.nixl_agent import DRAM, NixlAgent, NixlMemory, XferState,
 logger = logging.getLogger(__name__)
 
 COPY_TIMEOUT_S = 30.0
+WRITE_DRAIN_S = 1.0  # an overdue WRITE must end within this, well inside the peer's fence (2.25 s by default)
+READ_DRAIN_S = 30.0  # an overdue READ fills only our own blocks, held meanwhile
+CLOSE_DRAIN_S = 2.0  # close waits this long at most for requests still running
 POLL_INTERVAL_S = 0.0005
 
 
 def exit_process(reason: str) -> None:
-    """The default `on_stuck_write`: log, then end this process at once."""
+    """The default `on_stuck_copy`: log, then end this process at once."""
     logger.critical("pdserve: %s; ending this process so that no byte of it can land late", reason)
     logging.shutdown()
     os._exit(70)
@@ -59,9 +66,15 @@ class _Peer(NamedTuple):
 
 
 class _InFlight(NamedTuple):
+    """A posted request, never released before it ended."""
+
     handle: TransferHandle
     request: int
-    posted: float
+    posted: float  # perf_counter
+    agent_name: str
+    overdue: str | None = None  # why its handle will fail once it ended; None while it may still succeed
+    drain_until: float = 0.0  # overdue: the monotonic time after which it counts as stuck
+    stuck: bool = False  # `on_stuck_copy` was called for it
 
 
 class NixlTransport(CopyThreadTransport):
@@ -71,15 +84,17 @@ class NixlTransport(CopyThreadTransport):
 
     def __init__(self, agent_name: str, *, name: str = "nixl", copy_timeout_s: float = COPY_TIMEOUT_S,
                  poll_interval_s: float = POLL_INTERVAL_S, agent: NixlAgent | None = None,
-                 on_stuck_write: Callable[[str], None] = exit_process):
+                 write_drain_s: float = WRITE_DRAIN_S, read_drain_s: float = READ_DRAIN_S,
+                 on_stuck_copy: Callable[[str], None] = exit_process):
         super().__init__(name)
         self._agent = agent or NixlAgent(agent_name)
         self._copy_timeout_s = copy_timeout_s
         self._poll_interval_s = poll_interval_s
-        self._on_stuck_write = on_stuck_write
+        self._drain_s = {Direction.WRITE: write_drain_s, Direction.READ: read_drain_s}
+        self._on_stuck_copy = on_stuck_copy
         self._peers: dict[str, _Peer] = {}
         self._in_flight: list[_InFlight] = []
-        self._stuck: list[tuple[_InFlight, str]] = []  # aborted, release failed: may still be copying
+        self._retired: set[str] = set()  # detached peers' agents, forgotten once no request of theirs runs
         self._lock = threading.Lock()  # peers and in-flight requests: the worker thread detaches, the copy thread posts
         self._start_copy_thread()
 
@@ -94,7 +109,8 @@ class NixlTransport(CopyThreadTransport):
 
     def attach_peer(self, peer_id: str, descriptors: list[RegionDescriptor], endpoint: bytes | None = None) -> None:
         """Load the peer's agent metadata (`endpoint`); TransferError when it is missing or NIXL
-        rejects it, or a region has no address (see Transport.attach_peer)."""
+        rejects it, a region has no address, or requests to an earlier attachment of this peer
+        still run (see Transport.attach_peer)."""
         wanted = tuple(sorted(descriptors, key=lambda d: d.region_id))
         current = self._peers.get(peer_id)
         if current is not None and current.descriptors == wanted and current.metadata == endpoint:
@@ -105,6 +121,8 @@ class NixlTransport(CopyThreadTransport):
             problems.append("a region is described more than once")
         if not endpoint:
             problems.append("no NIXL agent metadata in the handshake")
+        if peer_id in self._retired:
+            problems.append("copies of its earlier attachment are still running")
         if problems:
             raise TransferError(f"peer {peer_id!r}: cannot reach its regions over NIXL: " + "; ".join(problems))
         try:
@@ -112,35 +130,38 @@ class NixlTransport(CopyThreadTransport):
         except TransferError as exc:
             raise TransferError(f"peer {peer_id!r}: {exc}") from None
         if agent_name != peer_id:  # the metadata must be the incarnation's own, not another agent's
-            if not any(p.agent_name == agent_name for p in self._peers.values()):
+            if not any(p.agent_name == agent_name for p in self._peers.values()) and agent_name not in self._retired:
                 self._agent.remove_remote(agent_name)
             raise TransferError(f"peer {peer_id!r} sent the NIXL metadata of agent {agent_name!r}")
         with self._lock:
             self._peers[peer_id] = _Peer(agent_name, endpoint, wanted)
 
     def detach_peer(self, peer_id: str) -> None:
-        """Forget the peer: its requests in flight are aborted and failed first."""
+        """Forget the peer: its requests still running become overdue (their handles fail once
+        they ended), and its agent is forgotten after the last of them."""
         with self._lock:
             peer = self._peers.pop(peer_id, None)
             if peer is None:
                 return
-            for flight in [f for f in self._in_flight if f.handle.peer_id == peer_id]:
-                self._in_flight.remove(flight)
-                self._abort(flight, f"peer {peer_id!r} was detached during the transfer")
-            if not any(p.agent_name == peer.agent_name for p in self._peers.values()):
-                try:
-                    self._agent.remove_remote(peer.agent_name)
-                except TransferError as exc:
-                    logger.warning("transport %s: %s", self.name, exc)
+            self._in_flight = [self._make_overdue(f, f"peer {peer_id!r} was detached during the transfer")
+                               if f.handle.peer_id == peer_id else f for f in self._in_flight]
+            self._retired.add(peer.agent_name)
+            self._forget_retired()
 
     def _close_backend(self) -> None:
         with self._lock:
-            flights, self._in_flight = self._in_flight, []
-            for flight in flights:
-                self._abort(flight, f"transport {self.name} closed during the transfer")
-            self._retry_stuck()
+            self._in_flight = [self._make_overdue(f, f"transport {self.name} closed during the transfer")
+                               for f in self._in_flight]
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(self._poll_interval_s)
+            self._progress()
         for peer_id in list(self._peers):
             self.detach_peer(peer_id)
+        if self._in_flight:  # their handles stay PENDING: nobody may reuse what they may still write
+            logger.error("transport %s: %d NIXL requests still running at close; memory stays registered",
+                         self.name, len(self._in_flight))
+            return
         try:
             self._agent.close()
         except TransferError as exc:
@@ -149,7 +170,7 @@ class NixlTransport(CopyThreadTransport):
     # ---- copy thread ----------------------------------------------------------------------------
 
     def _poll_interval(self) -> float | None:
-        return self._poll_interval_s if self._in_flight or self._stuck else None
+        return self._poll_interval_s if self._in_flight else None
 
     def _copy(self, job: Job) -> None:
         handle = job.handle
@@ -177,10 +198,10 @@ class NixlTransport(CopyThreadTransport):
             try:
                 request, state = self._agent.post(handle.direction is Direction.WRITE, local_list, remote_list,
                                                   peer.agent_name, local_memory.segment, remote_memory.segment)
-            except TransferError as exc:
+            except TransferError as exc:  # post releases a request it could not post
                 handle.finish(TransferStatus.FAILED, str(exc))
                 return
-            self._settle(_InFlight(handle, request, posted), state)
+            self._settle(_InFlight(handle, request, posted, peer.agent_name), state, None)
 
     def _memories(self, job: Job, peer: _Peer) -> tuple[NixlMemory, NixlMemory] | str:
         """The one NIXL memory of each side of a checked batch, or why the batch mixes several."""
@@ -192,68 +213,63 @@ class NixlTransport(CopyThreadTransport):
         return (local.pop() if local else DRAM, remote.pop() if remote else DRAM)
 
     def _progress(self) -> None:
-        if not self._in_flight and not self._stuck:
+        if not self._in_flight:
             return
         with self._lock:
-            self._retry_stuck()
-            for flight in list(self._in_flight):
+            flights, self._in_flight = self._in_flight, []
+            for flight in flights:
                 try:
-                    state = self._agent.state(flight.request)
-                except TransferError as exc:
-                    self._in_flight.remove(flight)
-                    self._abort(flight, str(exc))
-                    continue
-                self._in_flight.remove(flight)
-                self._settle(flight, state)
+                    state, error = self._agent.state(flight.request), None
+                except TransferError as exc:  # NIXL reports the request ended in error (a broken endpoint)
+                    state, error = XferState.FAILED, str(exc)
+                self._settle(flight, state, error)
+            self._forget_retired()
 
-    def _settle(self, flight: _InFlight, state: XferState) -> None:
-        """Called with the lock held, `flight` not in the in-flight list."""
-        if state is XferState.DONE:
-            self._end(flight, TransferStatus.DONE)
-        elif state is XferState.FAILED:
-            self._end(flight, TransferStatus.FAILED, f"NIXL transfer to peer {flight.handle.peer_id!r} failed")
-        elif past(flight.handle.not_after):
-            self._abort(flight, "deadline passed during the copy (NIXL transfer aborted)")
-        elif time.perf_counter() - flight.posted > self._copy_timeout_s:
-            self._abort(flight, f"NIXL transfer not complete after {self._copy_timeout_s:.1f} s")
-        else:
-            self._in_flight.append(flight)
-
-    def _abort(self, flight: _InFlight, error: str) -> None:
-        """Release a request that is not complete; its handle fails only when NIXL confirmed it.
+    def _settle(self, flight: _InFlight, state: XferState, error: str | None) -> None:
+        """Finish `flight` if its request ended, else keep it (overdue once past its deadline).
         Called with the lock held, `flight` not in the in-flight list."""
-        try:
-            self._agent.release(flight.request)
-        except TransferError as exc:
-            self._stuck.append((flight, error))
-            reason = f"NIXL could not abort a transfer to {flight.handle.peer_id!r} ({error}): {exc}"
-            logger.error("transport %s: %s; it counts as still copying", self.name, reason)
-            if flight.handle.direction is Direction.WRITE:
-                self._on_stuck_write(reason)
+        if state is XferState.DONE:
+            self._end(flight, TransferStatus.FAILED if flight.overdue else TransferStatus.DONE, flight.overdue)
             return
-        self._finish(flight, TransferStatus.FAILED, error)
+        if state is XferState.FAILED:
+            self._end(flight, TransferStatus.FAILED,
+                      flight.overdue or error or f"NIXL transfer to peer {flight.handle.peer_id!r} failed")
+            return
+        if flight.overdue is None and past(flight.handle.not_after):
+            flight = self._make_overdue(flight, "deadline passed during the copy")
+        elif flight.overdue is None and time.perf_counter() - flight.posted > self._copy_timeout_s:
+            flight = self._make_overdue(flight, f"NIXL transfer not complete after {self._copy_timeout_s:.1f} s")
+        elif flight.overdue is not None and not flight.stuck and past(flight.drain_until):
+            flight = flight._replace(stuck=True)
+            reason = (f"a NIXL {flight.handle.direction.name} with {flight.handle.peer_id!r} ({flight.overdue}) "
+                      f"still runs {self._drain_s[flight.handle.direction]:.1f} s later")
+            logger.error("transport %s: %s; it counts as still copying", self.name, reason)
+            self._on_stuck_copy(reason)
+        self._in_flight.append(flight)
 
-    def _retry_stuck(self) -> None:
-        """Release again what could not be released; a READ's handle fails once that worked."""
-        stuck, self._stuck = self._stuck, []
-        for flight, error in stuck:
-            try:
-                self._agent.release(flight.request)
-            except TransferError:
-                self._stuck.append((flight, error))
-                continue
-            self._finish(flight, TransferStatus.FAILED, error)
+    def _make_overdue(self, flight: _InFlight, reason: str) -> _InFlight:
+        if flight.overdue is not None:
+            return flight
+        logger.debug("transport %s: %s; waiting for the NIXL request to end", self.name, reason)
+        return flight._replace(overdue=reason, drain_until=time.monotonic() + self._drain_s[flight.handle.direction])
 
-    def _end(self, flight: _InFlight, status: TransferStatus, error: str | None = None) -> None:
+    def _end(self, flight: _InFlight, status: TransferStatus, error: str | None) -> None:
         """A request NIXL reported complete or failed: nothing of it moves any more."""
         try:
             self._agent.release(flight.request)
         except TransferError as exc:
             logger.warning("transport %s: %s", self.name, exc)
-        self._finish(flight, status, error)
-
-    def _finish(self, flight: _InFlight, status: TransferStatus, error: str | None = None) -> None:
         flight.handle.copy_seconds = time.perf_counter() - flight.posted
         if status is TransferStatus.FAILED:
             logger.debug("transfer to %s failed: %s", flight.handle.peer_id, error)
         flight.handle.finish(status, error)
+
+    def _forget_retired(self) -> None:
+        """Forget the agents of detached peers no request runs with any more (lock held)."""
+        busy = {f.agent_name for f in self._in_flight} | {p.agent_name for p in self._peers.values()}
+        for agent_name in self._retired - busy:
+            self._retired.discard(agent_name)
+            try:
+                self._agent.remove_remote(agent_name)
+            except TransferError as exc:
+                logger.warning("transport %s: %s", self.name, exc)

@@ -1,7 +1,7 @@
 """No byte of a batch lands after its `not_after` deadline: the shared-memory copy stops between
-chunks, a NIXL request in flight is aborted, and one NIXL cannot abort counts as still copying."""
+chunks; a NIXL request (which cannot be stopped) keeps its handle PENDING until it ended, and one
+still running after its drain counts as stuck (test_nixl_overdue.py runs real agents)."""
 
-import os
 import threading
 import time
 
@@ -20,6 +20,7 @@ from pdserve.transport import (
     segment_name,
 )
 from pdserve.transport import shm as shm_module
+from pdserve.transport.device import CPU, MemoryDevice
 from pdserve.transport.nixl_agent import XferState
 
 SIZE = 4096
@@ -70,12 +71,13 @@ def test_shm_copy_stalled_past_its_deadline_after_admission_moves_nothing(shm_pa
 
 
 class FakeAgent:
-    """A NIXL agent whose requests stay in flight until released; `release` fails while `stuck`."""
+    """A NIXL agent whose requests run until the test ends them (`end`); records what it released."""
 
     def __init__(self):
-        self.stuck = False
+        self.running: dict[int, XferState] = {}
         self.released: list[int] = []
-        self.posted = 0
+        self.removed: list[str] = []
+        self.posted: list[tuple] = []
 
     def register(self, address, size, memory):
         pass
@@ -84,18 +86,22 @@ class FakeAgent:
         return "peer"
 
     def remove_remote(self, name):
-        pass
+        self.removed.append(name)
 
     def post(self, write, local, remote, remote_name, local_segment="DRAM", remote_segment="DRAM"):
-        self.posted += 1
-        return self.posted, XferState.IN_PROGRESS
+        self.posted.append((local_segment, remote_segment))
+        request = len(self.posted)
+        self.running[request] = XferState.IN_PROGRESS
+        return request, XferState.IN_PROGRESS
 
     def state(self, request):
-        return XferState.IN_PROGRESS
+        return self.running[request]
+
+    def end(self, request, state=XferState.DONE):
+        self.running[request] = state
 
     def release(self, request):
-        if self.stuck:
-            raise TransferError("NIXL cannot release a transfer: busy")
+        assert self.running[request] is not XferState.IN_PROGRESS, "a running request was released (nothing stops it)"
         self.released.append(request)
 
     def close(self):
@@ -106,66 +112,68 @@ class FakeAgent:
 def fake_nixl():
     from pdserve.transport.nixl import NixlTransport
 
-    agent, stuck_writes = FakeAgent(), []
-    local = np.zeros(SIZE, dtype=np.uint8)
-    transport = NixlTransport("local", agent=agent, copy_timeout_s=60, on_stuck_write=stuck_writes.append)
-    transport.register_region(0, local.ctypes.data, SIZE)
-    transport.attach_peer("peer", [RegionDescriptor(0, SIZE, None, 1 << 20)], b"metadata")
-    yield transport, agent, stuck_writes
-    agent.stuck = False
+    agent, stuck = FakeAgent(), []
+    transport = NixlTransport("local", agent=agent, copy_timeout_s=60, write_drain_s=0.2, read_drain_s=0.2,
+                              on_stuck_copy=stuck.append)
+    yield transport, agent, stuck
+    for request in agent.running:
+        agent.end(request)
     transport.close()
 
 
-def test_nixl_request_in_flight_at_its_deadline_is_aborted_and_fails(fake_nixl):
-    transport, agent, stuck_writes = fake_nixl
-    not_after = time.monotonic() + 0.1
-    handle = transport.submit("peer", Direction.WRITE, [RegionOps(0, (CopyOp(0, 0, SIZE),))], not_after=not_after)
-    assert transport.wait(handle, DEADLINE_S) is TransferStatus.FAILED
-    assert "deadline passed during the copy" in handle.error and agent.released == [1]
-    assert handle.finished - not_after < 0.5, "the request ran on past its deadline"
-    assert stuck_writes == []
+def _attach(transport, device=CPU):
+    transport.register_region(0, 1 << 30, SIZE, device=device)
+    transport.attach_peer("peer", [RegionDescriptor(0, SIZE, None, 1 << 31, device)], b"metadata")
+
+
+def _wait_until(condition, timeout_s=DEADLINE_S):
+    end = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("device", [CPU, MemoryDevice("cuda", 0)], ids=["DRAM", "VRAM"])
+@pytest.mark.parametrize("direction", [Direction.WRITE, Direction.READ])
+def test_nixl_request_running_past_its_deadline_keeps_its_handle_pending_until_it_ended(fake_nixl, direction, device):
+    transport, agent, stuck = fake_nixl
+    _attach(transport, device)
+    not_after = time.monotonic() + 0.05
+    handle = transport.submit("peer", direction, [RegionOps(0, (CopyOp(0, 0, SIZE),))], not_after=not_after)
+    time.sleep(0.15)
+    assert handle.status is TransferStatus.PENDING, "a copy still running was reported as ended"
+    assert agent.released == [] and stuck == []
+    ended = time.monotonic()
+    agent.end(1)
+    assert transport.wait(handle, DEADLINE_S) is TransferStatus.FAILED, "a copy ended past its deadline succeeded"
+    assert "deadline passed during the copy" in handle.error and handle.finished >= ended
+    assert agent.released == [1]
 
 
 @pytest.mark.parametrize("direction", [Direction.WRITE, Direction.READ])
-def test_nixl_request_that_cannot_be_aborted_counts_as_still_copying(fake_nixl, direction):
-    transport, agent, stuck_writes = fake_nixl
-    agent.stuck = True
+def test_nixl_request_still_running_after_its_drain_counts_as_stuck(fake_nixl, direction):
+    transport, agent, stuck = fake_nixl
+    _attach(transport)
     handle = transport.submit("peer", direction, [RegionOps(0, (CopyOp(0, 0, SIZE),))], not_after=time.monotonic() + 0.05)
-    time.sleep(0.3)
-    assert handle.status is TransferStatus.PENDING, "a copy NIXL could not abort was reported as ended"
-    if direction is Direction.WRITE:
-        assert len(stuck_writes) == 1 and "could not abort" in stuck_writes[0]  # the process would end here
-    else:
-        assert stuck_writes == []
-    agent.stuck = False
-    assert transport.wait(handle, DEADLINE_S) is TransferStatus.FAILED
-    assert "deadline passed during the copy" in handle.error
+    _wait_until(lambda: stuck)
+    time.sleep(0.1)
+    assert len(stuck) == 1 and direction.name in stuck[0] and "deadline passed" in stuck[0]  # the process would end here
+    assert handle.status is TransferStatus.PENDING and agent.released == []
+    agent.end(1, XferState.FAILED)
+    assert transport.wait(handle, DEADLINE_S) is TransferStatus.FAILED and agent.released == [1]
 
 
-def test_real_nixl_read_still_in_flight_at_its_deadline_is_aborted(monkeypatch):
-    """Two real agents over TCP: a 256 MiB read given a deadline a quarter of its run time fails
-    at that deadline instead of running to the 30 s copy timeout."""
-    pytest.importorskip("nixl_cu12", reason="the nixl extra is part of the test environment (scripts/bootstrap.sh)")
-    from pdserve.transport.nixl import NixlTransport
-    from tests.unit.transport.test_nixl_transport import BIG, Peer
-
-    monkeypatch.setenv("UCX_TLS", "tcp,self")
-    peer = Peer(BIG)
-    local = np.zeros(BIG, dtype=np.uint8)
-    local[::4096] = 1
-    transport = NixlTransport(f"local-{os.getpid()}")
-    try:
-        transport.register_region(0, local.ctypes.data, BIG)
-        transport.attach_peer("peer", peer.descriptors, peer.endpoint)
-        whole = [RegionOps(0, (CopyOp(0, 0, BIG),))]
-        warm = transport.submit("peer", Direction.READ, whole)
-        assert transport.wait(warm, DEADLINE_S) is TransferStatus.DONE, warm.error
-        assert warm.seconds > 0.05, f"{BIG} bytes took {warm.seconds:.3f} s: too fast to stop mid-copy"
-        not_after = time.monotonic() + warm.seconds / 4
-        handle = transport.submit("peer", Direction.READ, whole, not_after=not_after)
-        assert transport.wait(handle, DEADLINE_S) is TransferStatus.FAILED, "the copy outlived its deadline"
-        assert "deadline passed during the copy" in handle.error
-        assert handle.finished - not_after < 0.5
-    finally:
-        transport.close()
-        peer.stop()
+def test_nixl_request_to_a_detached_peer_ends_before_its_agent_is_forgotten(fake_nixl):
+    transport, agent, stuck = fake_nixl
+    _attach(transport)
+    handle = transport.submit("peer", Direction.READ, [RegionOps(0, (CopyOp(0, 0, SIZE),))])
+    _wait_until(lambda: agent.posted)
+    transport.detach_peer("peer")
+    time.sleep(0.05)
+    assert handle.status is TransferStatus.PENDING and agent.removed == []
+    with pytest.raises(TransferError, match="still running"):
+        transport.attach_peer("peer", [RegionDescriptor(0, SIZE, None, 1 << 31)], b"metadata")
+    agent.end(1)
+    assert transport.wait(handle, DEADLINE_S) is TransferStatus.FAILED and "detached" in handle.error
+    _wait_until(lambda: agent.removed == ["peer"])
+    transport.attach_peer("peer", [RegionDescriptor(0, SIZE, None, 1 << 31)], b"metadata")
