@@ -90,7 +90,7 @@ class Copies:
     layers_submitted: set[int] = field(default_factory=set)
     handles: list = field(default_factory=list)
     num_bytes: int = 0
-    not_after: float | None = None  # P WRITE: monotonic time after which no byte of ours may land
+    not_after: float | None = None  # P WRITE, D READ: monotonic time after which no byte of ours may land
 
     @property
     def pending(self) -> list:

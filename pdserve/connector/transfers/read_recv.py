@@ -2,6 +2,9 @@
 
 WAITING until bound to P's incarnation, COPYING while the reads run, CONFIRMING once they all
 landed (`ReadDone` sent), DONE on P's `ReadAck(ok)`; any failure stops it and releases P's hold.
+The reads carry the transfer's deadline as their `not_after`; one the transport cannot stop (a
+NIXL get) keeps its handle pending until it ended, and the engine fails the transfer, letting
+vLLM reuse the blocks, only then.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class ReadRecv(LegKind):
             return
         peer = self.engine.binding.bound_peer(t)
         if peer is not None:
+            t.copies.not_after = t.deadline  # a read still running then is stopped, or waited for till it ended
             self.engine.submit(t, peer, Direction.READ, range(self.engine.num_layers))
 
     def _on_read_ack(self, t: Transfer, message: ReadAck) -> None:

@@ -9,6 +9,7 @@ transport and layout. `Pair.restart` puts a new incarnation at P's or D's addres
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,7 +177,7 @@ class Instance:
 
 
 def _make_side(name: str, identity: str, layer_offset: int, num_blocks: int = NUM_BLOCKS,
-               hybrid: bool = False) -> Instance:
+               hybrid: bool = False, transport_factory: Callable[[str], ShmTransport] | None = None) -> Instance:
     """One region holding both layers; `layer_offset` pads before layer 0 so P and D differ.
     `hybrid`: two KV cache groups as vLLM's hybrid KV cache manager keeps a Gated DeltaNet model,
     layer 0 attention (group 0), layer 1 state (group 1, sparse), each of its blocks a state of
@@ -184,7 +185,7 @@ def _make_side(name: str, identity: str, layer_offset: int, num_blocks: int = NU
     size = layer_offset + NUM_LAYERS * num_blocks * BLOCK_BYTES
     segment = SharedSegment.create(segment_name("enginetest", name), size)
     path = segment.unlink_name()
-    transport = ShmTransport(name)
+    transport = (transport_factory or ShmTransport)(name)
     transport.register_region(0, segment.address, segment.size, path)
     layers: list = [LayerPlacement(0, layer_offset + i * num_blocks * BLOCK_BYTES, BLOCK_BYTES, num_blocks)
                     for i in range(NUM_LAYERS)]
@@ -202,10 +203,11 @@ class Pair:
     """P and D wired to each other. Use as a context manager."""
 
     def __init__(self, mode: TransferMode, p_timeouts: dict | None = None, d_timeouts: dict | None = None,
-                 hybrid: bool = False):
+                 hybrid: bool = False, transport_factory: Callable[[str], ShmTransport] | None = None):
+        """`transport_factory(name)`: each side's transport, in place of a ShmTransport."""
         self.mode = mode
-        self.p = _make_side("p", P_IDENTITY, layer_offset=P_LAYER_OFFSET, hybrid=hybrid)
-        self.d = _make_side("d", D_IDENTITY, layer_offset=D_LAYER_OFFSET, hybrid=hybrid)
+        self.p = _make_side("p", P_IDENTITY, layer_offset=P_LAYER_OFFSET, hybrid=hybrid, transport_factory=transport_factory)
+        self.d = _make_side("d", D_IDENTITY, layer_offset=D_LAYER_OFFSET, hybrid=hybrid, transport_factory=transport_factory)
         self.retired: list[Instance] = []  # incarnations replaced by `restart`, closed at the end
         self.p_config = make_config("kv_producer", mode, **(p_timeouts or {}))
         self.d_config = make_config("kv_consumer", mode, **(d_timeouts or {}))
