@@ -54,7 +54,7 @@ __all__ = ["Finished", "Notifier", "TransferEngine", "TransferStats"]
 logger = logging.getLogger("pdserve.connector")
 
 LIVENESS_EVERY_S = 0.5
-MAX_UNSTAGED = 4096
+MAX_STAGED = 4096  # P READ, host staging: holds remembered as staged; one forgotten is refused (fails closed)
 
 
 class TransferEngine:
@@ -65,7 +65,7 @@ class TransferEngine:
         self._transport = transport
         # KV on a GPU staged in host memory: P stages held blocks, D lands written ones (staged.py)
         self.staging = transport if isinstance(transport, StagedTransport) else None
-        self.unstaged: OrderedDict[str, str] = OrderedDict()  # P READ: transfer id -> why its KV never reached the mirror
+        self.staged: OrderedDict[str, None] = OrderedDict()  # P READ: holds whose KV reached the mirror, until they end
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         allow = PeerAllowList(config.allowed_peers)
         self._peers = PeerTable(transport, handshake, self._inbox.put, allow, config.peer_idle_timeout)
@@ -311,12 +311,19 @@ class TransferEngine:
             return
         t.copies.handles.append(self.staging.land(batch, not_after=t.deadline))
 
-    def stage_failed(self, transfer_id: str, error: str) -> None:
-        """P READ, host staging: the held KV of `transfer_id` never reached the mirror; D's read of it
-        is answered with `error` (read_hold.py)."""
-        self.unstaged[transfer_id] = error
-        while len(self.unstaged) > MAX_UNSTAGED:
-            self.unstaged.popitem(last=False)
+    def stage_succeeded(self, transfer_id: str) -> None:
+        """P READ, host staging: the held KV of `transfer_id` reached the mirror. Only such a hold
+        answers D's read with ok (read_hold.py); the mark goes when the hold ends, or the oldest
+        beyond MAX_STAGED goes (its read is then refused: D recomputes)."""
+        self.staged[transfer_id] = None
+        self.staged.move_to_end(transfer_id)
+        while len(self.staged) > MAX_STAGED:
+            self.staged.popitem(last=False)
+
+    def stage_failed(self, transfer_id: str) -> None:
+        """P READ, host staging: the held KV of `transfer_id` may not be in the mirror (staging it
+        again after a preemption failed, say): D's read of it is refused."""
+        self.staged.pop(transfer_id, None)
 
     def _check_copies(self, t: Transfer) -> None:
         if t.state.is_terminal or t.copies.pending:
@@ -365,6 +372,10 @@ class TransferEngine:
         if track:
             self._transfers.pop(t.transfer_id, None)
             self._records.remember_terminal(t.transfer_id, t.peer if t.side is Side.SEND else None)
+            held = t.group or t.transfer_id
+            if t.mode is TransferMode.READ and t.side is Side.SEND and held in self.staged and \
+                    not any((o.group or o.transfer_id) == held for o in self._transfers.values()):
+                del self.staged[held]  # the hold (each D rank's part of it) ended
         self.stats.record(t)
         if t.state is TransferState.FAILED:
             log = logger.info if quiet or t.error == RELEASED_BY_DECODE else logger.error

@@ -283,21 +283,23 @@ class PDWorker:
     def _stage(self, specs: list[StageSpec]) -> None:
         """P READ, host staging: copy the blocks of the holds this step computed into the host
         mirror, and wait for it: the step's output, which names them to D, leaves only after.
-        A hold whose blocks could not be staged answers D's read with why (read_hold.py)."""
+        Only a hold whose staging is known done answers D's read with ok (read_hold.py)."""
         try:
             batch = [ops for spec in specs for ops in self._kv.layout.local_ops(spec.block_ids)]
-        except PDServeError as exc:
-            error: str | None = str(exc)
-        else:
             handle = self._engine.staging.stage(batch, not_after=time.monotonic() + self._config.transfer_timeout)
             if not handle.wait(self._config.transfer_timeout + STAGE_SETTLE_S):
                 error = "staging did not finish in time"
             else:
                 error = handle.error if handle.status is TransferStatus.FAILED else None
+        except Exception as exc:  # noqa: BLE001 - any failure fails the holds, never passes for staged
+            error = f"{type(exc).__name__}: {exc}"
+        for spec in specs:
+            if error is None:
+                self._engine.stage_succeeded(spec.transfer_id)
+            else:
+                self._engine.stage_failed(spec.transfer_id)
         if error is not None:
             logger.error("pdserve: cannot stage the held KV of %d requests in host memory: %s", len(specs), error)
-            for spec in specs:
-                self._engine.stage_failed(spec.transfer_id, error)
 
     @guarded(Finished)
     def take_finished(self, finished_req_ids: set[str]) -> Finished:

@@ -30,7 +30,7 @@ class Engine(Protocol):
     stats: TransferStats
     num_layers: int
     staging: object  # the StagedTransport with host staging, else None
-    unstaged: dict[str, str]
+    staged: dict[str, None]  # host staging, P READ: holds whose KV reached the host mirror
 
     def land(self, t: Transfer) -> None: ...
 

@@ -2,8 +2,9 @@
 
 WAITING until D's `ReadDone` names this prompt and these blocks (DONE, acknowledged with
 `ReadAck(ok)`), D's `Release` (FAILED) or the hold's expiry. Nothing is copied on this side (with
-host staging the worker staged the blocks before the hold began; a read of blocks that never
-reached the mirror is answered with the reason).
+host staging the worker staged the blocks before the hold began; a read is acknowledged only for a
+hold the engine knows reached the mirror, `TransferEngine.staged`: a failed, crashed or forgotten
+staging refuses it, and D recomputes).
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ class ReadHold(LegKind):
         return "decode never released the held KV blocks"
 
     def _on_read_done(self, t: Transfer, sender: str, message: ReadDone) -> None:
-        unstaged = self.engine.unstaged.get(t.group or t.transfer_id)
-        if unstaged is not None:
-            self.engine.messenger.ack(sender, message, f"transfer {t.transfer_id}'s KV never reached host memory: "
-                                                       f"{unstaged}")
+        if self.engine.staging is not None and (t.group or t.transfer_id) not in self.engine.staged:
+            self.engine.messenger.ack(sender, message, f"transfer {t.transfer_id}'s KV is not known to have reached "
+                                                       "host memory (its staging failed or never ran)")
         elif message.prompt_hash != t.prompt_hash:
             self.engine.messenger.ack(sender, message, f"transfer {t.transfer_id} holds the KV of a different prompt")
         elif tuple(message.block_ids) != t.local_block_ids:

@@ -17,6 +17,7 @@ from pdserve.connector.layout import KvLayout, LayerPlacement
 from pdserve.connector.metadata import HoldSpec, RecvSpec, SendSpec, StageSpec, StepPlan
 from pdserve.connector.worker import PDWorker
 from pdserve.control.address import PeerAddress
+from pdserve.transport.base import Direction, TransferHandle, TransferStatus
 from pdserve.transport.cpu_backend import CpuStandIn
 from pdserve.transport.nixl_auto import RoutedTransport
 from pdserve.transport.staged import StagedTransport
@@ -190,6 +191,8 @@ def test_staged_read_reads_what_p_staged_when_the_prompt_was_computed(start):
     assert "req-1" in d.reported("recving") and not d.reported("failed_recving")
     for before, ours in zip(staged, blocks_of(d.caches, D_BLOCKS)):
         assert torch.equal(before, ours)
+    run_until(lambda: "req-1" in p.reported("sending"), p, d)
+    assert not p.worker._engine.staged, "a hold that ended is still remembered as staged"
 
 
 def test_a_hold_whose_staging_failed_refuses_the_read(start, monkeypatch):
@@ -205,7 +208,38 @@ def test_a_hold_whose_staging_failed_refuses_the_read(start, monkeypatch):
     monkeypatch.setattr(p.worker._transport, "stage", failing_stage)
     read(p, d)
     assert "req-1" in d.reported("failed_recving"), "D used KV that never reached P's host mirror"
-    assert "tx-req-1" in p.worker._engine.unstaged
+    assert "tx-req-1" not in p.worker._engine.staged
+
+
+def test_a_hold_never_staged_is_refused_however_many_stagings_failed_before(start, monkeypatch):
+    """Failures are not what is remembered: after 4,097 of them a hold never staged is still refused."""
+    p = start("kv_producer", TransferMode.READ, transport="auto", kv_buffer_device="cpu")
+    d = start("kv_consumer", TransferMode.READ, transport="auto", kv_buffer_device="cpu")
+
+    def failed_stage(batch, *, not_after=None):
+        handle = TransferHandle("", Direction.WRITE, 0)
+        handle.finish(TransferStatus.FAILED, "the device copy failed")
+        return handle
+
+    monkeypatch.setattr(p.worker._transport, "stage", failed_stage)
+    for i in range(4097):
+        p.worker._stage([StageSpec(f"other-{i}", f"tx-other-{i}", P_BLOCKS)])
+    read(p, d, stage=False)
+    assert "req-1" in d.reported("failed_recving"), "D read a hold that was never staged"
+    assert not p.worker._engine.staged
+
+
+def test_an_exception_inside_staging_fails_the_hold(start, monkeypatch):
+    p = start("kv_producer", TransferMode.READ, transport="auto", kv_buffer_device="cpu")
+    d = start("kv_consumer", TransferMode.READ, transport="auto", kv_buffer_device="cpu")
+
+    def broken_stage(batch, *, not_after=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(p.worker._transport, "stage", broken_stage)
+    read(p, d)
+    assert "req-1" in d.reported("failed_recving"), "a staging that raised passed for staged"
+    assert "tx-req-1" not in p.worker._engine.staged
 
 
 def test_host_kv_never_calls_staging(start, monkeypatch):
