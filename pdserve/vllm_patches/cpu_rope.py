@@ -12,7 +12,8 @@ up to 1.29 in logprob between the two paths, 1.59 between a request served alone
 
 The patch hands the kernel each 3-D tensor as 2-D rows (a view where the memory allows, else a
 copy that is written back), so it rotates exactly what `forward_native` does; 2-D tensors go to the
-kernel as before.
+kernel as before. Where the patch does not fit the vLLM it meets, pdserve refuses MLA models on CPU
+at startup (connector/support.py, admission.py) instead.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import inspect
 import logging
 
 from pdserve.vllm_logging import route_logs_to_vllm
+from pdserve.vllm_patches.target import find_class, import_class, vllm_version
 
+NAME = "cpu_rope"
 MODULE = "vllm.model_executor.layers.rotary_embedding.base"
+CLASS = "RotaryEmbedding"
 KERNEL_CALL = "ops.rotary_embedding("
 PATCHED_MARK = "_pdserve_rotates_3d_rows"
 
@@ -31,7 +35,11 @@ logger = logging.getLogger("pdserve.vllm_patches")
 
 
 def patch(module) -> bool:
-    return patch_rotary_embedding(module.RotaryEmbedding)
+    rope_class, missing = find_class(module, CLASS)
+    if rope_class is None:
+        left_out(missing)
+        return False
+    return patch_rotary_embedding(rope_class)
 
 
 def patch_rotary_embedding(rope_class: type) -> bool:
@@ -39,10 +47,9 @@ def patch_rotary_embedding(rope_class: type) -> bool:
     the code this patch was written for (then it is left alone, with a warning)."""
     if getattr(rope_class, PATCHED_MARK, False):
         return True
-    problem = _unexpected(rope_class)
-    if problem is not None:
-        route_logs_to_vllm()
-        logger.warning("pdserve: rotary embedding on CPU left unpatched: %s", problem)
+    mismatch = _unexpected(rope_class)
+    if mismatch is not None:
+        left_out(mismatch)
         return False
     forward_cpu = rope_class.forward_cpu
 
@@ -68,11 +75,27 @@ def patch_rotary_embedding(rope_class: type) -> bool:
 
 def applied() -> bool:
     """Whether vLLM's RotaryEmbedding in this process carries the patch (importing it runs the patch
-    where `install` has set it to, as the plugin does in every vLLM process)."""
-    import importlib
+    where `install` has set it to, as the plugin does in every vLLM process); False where the module
+    or the class is not there."""
+    rope_class, _ = import_class(MODULE, CLASS)
+    return rope_class is not None and bool(getattr(rope_class, PATCHED_MARK, False))
 
-    module = importlib.import_module(MODULE)
-    return bool(getattr(module.RotaryEmbedding, PATCHED_MARK, False))
+
+def problem() -> str | None:
+    """Why the patch is not in place in this process, or None when it is."""
+    rope_class, missing = import_class(MODULE, CLASS)
+    if rope_class is None:
+        return missing
+    if getattr(rope_class, PATCHED_MARK, False):
+        return None
+    return _unexpected(rope_class) or "pdserve's plugin did not install it in this process"
+
+
+def left_out(why: str) -> None:
+    """Say why the patch is left out (its module, class or code is not what it was written for)."""
+    route_logs_to_vllm()
+    logger.warning("pdserve: vLLM %s: patch %s left out: %s. MLA models on CPU are refused at startup, since "
+                   "vLLM's CPU rotary kernel rotates their query and key at the wrong places", vllm_version(), NAME, why)
 
 
 def _rows(tensor):

@@ -6,7 +6,8 @@ draws the numbers it would have drawn had that step not sampled for it,
 Mersenne Twister) has no offset and raises, and the engine dies. The patch saves each such CPU
 generator's state before sampling, restores it afterwards, and keeps vLLM's rewind away from it: a
 seeded request draws the same numbers whether or not its prompt was chunked. Generators that have an
-offset are left to vLLM.
+offset are left to vLLM. Where the patch does not fit the vLLM it meets, pdserve refuses seeded
+requests that vLLM may split (admission.py) instead.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import inspect
 import logging
 
 from pdserve.vllm_logging import route_logs_to_vllm
+from pdserve.vllm_patches.target import find_class, import_class, vllm_version
 
+NAME = "seeded_sampling"
 MODULE = "vllm.v1.worker.gpu_model_runner"
+CLASS = "GPUModelRunner"
 REWIND = "gen.set_offset(gen.get_offset() - 4)"
 PATCHED_MARK = "_pdserve_keeps_cpu_generators"
 
@@ -25,7 +29,22 @@ logger = logging.getLogger("pdserve.vllm_patches")
 
 
 def patch(module) -> bool:
-    return patch_model_runner(module.GPUModelRunner)
+    runner_class, missing = find_class(module, CLASS)
+    if runner_class is None:
+        left_out(missing)
+        return False
+    return patch_model_runner(runner_class)
+
+
+def problem() -> str | None:
+    """Why the patch does not fit this process's vLLM (importing the model runner if it is not yet),
+    or None when it is in place or would apply."""
+    runner_class, missing = import_class(MODULE, CLASS)
+    if runner_class is None:
+        return missing
+    if getattr(runner_class, PATCHED_MARK, False):
+        return None
+    return _unexpected(runner_class)
 
 
 def patch_model_runner(runner_class: type) -> bool:
@@ -33,10 +52,9 @@ def patch_model_runner(runner_class: type) -> bool:
     code this patch was written for (then it is left alone, with a warning)."""
     if getattr(runner_class, PATCHED_MARK, False):
         return True
-    problem = _unexpected(runner_class)
-    if problem is not None:
-        route_logs_to_vllm()
-        logger.warning("pdserve: seeded sampling on CPU left unpatched: %s", problem)
+    mismatch = _unexpected(runner_class)
+    if mismatch is not None:
+        left_out(mismatch)
         return False
     sample, bookkeeping = runner_class._sample, runner_class._bookkeeping_sync
 
@@ -68,6 +86,14 @@ def patch_model_runner(runner_class: type) -> bool:
         "pdserve: seeded sampling on CPU patched: a request's CPU generator is restored after a "
         "step that discards its sample (vLLM's offset rewind works on GPU generators only)")
     return True
+
+
+def left_out(why: str) -> None:
+    """Say why the patch is left out (its module, class or code is not what it was written for)."""
+    route_logs_to_vllm()
+    logger.warning("pdserve: vLLM %s: patch %s left out: %s. On CPU, seeded requests that vLLM may split across "
+                   "steps are refused (HTTP 400), since vLLM's own rewind of their generator kills the engine",
+                   vllm_version(), NAME, why)
 
 
 def _offsetless_discarded(runner) -> dict:
