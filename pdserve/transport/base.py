@@ -57,9 +57,10 @@ class TransferHandle:
     """One submitted batch. Its status goes once from PENDING to DONE or FAILED: set by the
     transport, or by `cancel` while the copy has not started. `not_after` (a time.monotonic()
     deadline, or None) is the latest moment the copy may touch memory at all: a batch not begun
-    by then fails without copying, a running one is stopped (shm: before its next chunk) and an
-    in-flight one is aborted (NIXL). A handle that stays PENDING past `not_after` is a copy whose
-    stop could not be confirmed: it may still land, so its memory must not be reused."""
+    by then fails without copying, a running one is stopped (shm: before its next chunk), and one
+    that cannot be stopped (a NIXL request in flight) fails once it ended. A handle finishes only
+    when nothing of its copy can move any more: one that stays PENDING past `not_after` is a copy
+    still running, so its memory must not be reused."""
 
     def __init__(self, peer_id: str, direction: Direction, num_bytes: int, not_after: float | None = None):
         self.peer_id = peer_id
