@@ -37,9 +37,14 @@ class Limits:
     seconds for a free one (at most max_connections wait), then is answered 503.
     max_header_bytes / max_headers: the longest request line or header line, and how many header
     lines (a longer head is answered 400). max_body_bytes: the largest request body (413).
+    max_body_bytes_in_flight: all the request bodies the front holds at once, from their first byte
+    to the end of their request (one more is answered 503 before it is read).
     head_timeout: from a connection's opening, or the end of its previous response, how long it has
     to send a complete request head; it is closed after that (a slow or idle client).
     body_timeout: from the end of the head, how long the whole request body may take (408).
+    busy_body_timeout: the same once the connection slots near their limit (7/8 held, or one
+    waiting), for the bodies then arriving too: slow senders cannot hold every slot (the shorter of
+    the two holds).
     idle_timeout: the longest silence from the upstream, before its response head (a prefill
     computing) and between two pieces of its body, and the longest a client may take to accept one
     piece; a stream as such has no deadline.
@@ -50,8 +55,10 @@ class Limits:
     max_header_bytes: int = 8190
     max_headers: int = 100
     max_body_bytes: int = 16 << 20
+    max_body_bytes_in_flight: int = 64 << 20
     head_timeout: float = 5.0
     body_timeout: float = 60.0
+    busy_body_timeout: float = 2.0
     idle_timeout: float = 600.0
 
     def __post_init__(self) -> None:
@@ -61,6 +68,9 @@ class Limits:
         if self.connection_wait >= self.head_timeout:
             raise ConfigError(f"front limit connection_wait ({self.connection_wait} s) must be shorter than "
                               f"head_timeout ({self.head_timeout} s)")
+        if self.max_body_bytes > self.max_body_bytes_in_flight:
+            raise ConfigError(f"front limit max_body_bytes ({self.max_body_bytes}) must not be over "
+                              f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight})")
 
 
 def limit_flag(name: str) -> str:

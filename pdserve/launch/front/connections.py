@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -23,17 +24,29 @@ logger = logging.getLogger(__name__)
 
 
 class ConnectionSlots:
-    """`capacity` slots; a slot freed goes to the connection that has waited longest."""
+    """`capacity` slots; a slot freed goes to the connection that has waited longest. Under pressure
+    (7/8 of the slots held, or a connection waiting) `on_pressure` is called as each connection comes."""
 
-    def __init__(self, capacity: int, wait: float) -> None:
+    def __init__(self, capacity: int, wait: float, on_pressure: Callable[[], None] = lambda: None) -> None:
         self.capacity = capacity
         self.wait = wait
         self.num_held = 0
+        self.on_pressure = on_pressure
+        self._pressure_at = capacity - capacity // 8
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def pressured(self) -> bool:
+        return self.num_held >= self._pressure_at or bool(self._waiters)
 
     @property
     def num_waiting(self) -> int:
         return sum(not w.done() for w in self._waiters)
+
+    def arrived(self) -> None:
+        """A connection came, before it asks for a slot: under pressure, on_pressure is told."""
+        if self.num_held + 1 >= self._pressure_at or self._waiters:
+            self.on_pressure()
 
     def try_acquire(self) -> bool:
         if self.num_held < self.capacity:
@@ -87,6 +100,7 @@ class FrontConnection(web.RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self._slots.arrived()
         if self._slots.try_acquire():
             self._holds_slot = True
         elif self._slots.num_waiting >= self._slots.capacity:

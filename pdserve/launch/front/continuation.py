@@ -4,20 +4,27 @@ A streamed completion or chat completion reaches the client as server-sent event
 deployment has instances to fall back to, the front asks the upstream for each token's id
 (`return_token_ids`, taken out again for a client that did not ask) and follows every choice:
 
-    request ──▶ Follow.start(body)      streamed generation the front can continue? (else None)
-    event   ──▶ Follow.feed(piece)      whole events out, as the client asked for them; ids kept
-    break   ──▶ Follow.unfinished()     choices without a finish_reason when the stream broke off
-            ──▶ Follow.continuation(i)  POST /v1/completions body: the prompt's ids + the ids streamed
+    request ──▶ Follow.start(path, body)  streamed generation the front follows? (else None)
+    event   ──▶ Follow.feed(piece)        whole events out, as the client asked for them; ids kept
+    break   ──▶ Follow.unfinished()       choices without a finish_reason when the stream broke off
+            ──▶ Follow.refusal(i)         why choice i cannot be continued exactly (None: it can)
+            ──▶ Follow.continuation(i, max_model_len)  POST /v1/completions body: the prompt's ids +
+                                          the ids streamed, the tokens left (None: none are left)
             ──▶ Follow.feed_continuation(i, piece)  its events, rewritten as choice i of the original
-            ──▶ Follow.closing()        the usage event (if asked) and [DONE]
+            ──▶ Follow.closing()          the usage event (if asked) and [DONE], or the error event
 
 A stream broke off when it ended (or failed) before `[DONE]`, or sent an error event after tokens,
-with a choice unfinished. The continuation is a plain completion of the token ids streamed so far
-with the tokens left of `max_tokens`: for a greedy request its tokens are those the uninterrupted
-run would have produced; a sampled request gets a new draw conditioned on what the client already
-has. Not continued (the client sees the break as today: the connection closes): chat requests
-with tools or logprobs, requests with stop strings, beam search or `best_of`, several prompts in
-one request, and `echo`. Pure: no I/O here (exchange.py sends and relays).
+with a choice unfinished. The continuation is a plain completion of the token ids streamed so far,
+with what is left of each budget counted from the tokens already sent: `max_tokens` (absent: vLLM's
+defaults, 16 for a completion, the rest of max_model_len for a chat) and `min_tokens`. For a greedy
+request its tokens are those the uninterrupted run would have produced; a sampled request gets a
+new draw conditioned on what the client already has. Followed but refused at the break (the stream
+ends with an error event naming why, never other tokens): `frequency_penalty` or
+`presence_penalty` (they count the tokens generated, which become prompt tokens elsewhere), a chat
+choice inside its reasoning or before its first content, `include_reasoning: false`. Not followed
+(the connection closes on a break): chat requests with tools or logprobs, requests with stop
+strings, beam search or `best_of`, several prompts in one request, `echo`, structured output. Pure:
+no I/O here (exchange.py sends and relays).
 """
 
 from __future__ import annotations
@@ -26,43 +33,71 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.launch.front.body import RequestBody, encode, integer, malformed
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 DONE = b"data: [DONE]"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM 0.32's CompletionRequest.max_tokens default (also for null)
 # sampling fields a continuation keeps as the client set them (the rest are the instance's defaults)
-_CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-            "spaces_between_special_tokens", "bad_words", "allowed_token_ids", "logit_bias", "user", "priority")
+_CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "stop_token_ids",
+            "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "bad_words", "allowed_token_ids",
+            "logit_bias", "user", "priority", "frequency_penalty", "presence_penalty")
+_PENALTIES = ("frequency_penalty", "presence_penalty")
 
 
 def _dump(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _continuable(path: str, request: dict) -> bool:
-    if request.get("stream") is not True or request.get("use_beam_search") or (request.get("best_of") or 1) > 1:
+def _set(body: RequestBody, name: str) -> bool:
+    value = body.field(name)
+    return value is not None and value is not False and value != [] and value != {} and value != ""
+
+
+def _continuable(path: str, body: RequestBody) -> bool:
+    if body.field("stream") is not True or _set(body, "use_beam_search") or (integer(body.field("best_of", 1)) or 1) > 1:
         return False
-    if request.get("stop") or request.get("echo") or request.get("truncate_prompt_tokens") is not None:
+    if _set(body, "stop") or _set(body, "echo") or body.field("truncate_prompt_tokens") is not None:
         return False
-    if any(k.startswith("guided_") or k == "structured_outputs" for k in request if request[k] is not None):
+    assert body.members is not None
+    if any(k.startswith("guided_") or k == "structured_outputs" for k in body.members if _set(body, k)):
         return False  # a grammar's state is not carried over
-    if (request.get("response_format") or {}).get("type", "text") != "text":
+    response_format = body.field("response_format", {})
+    if not isinstance(response_format, dict) or response_format.get("type", "text") != "text":
+        return False
+    for name in ("max_tokens", "max_completion_tokens", "min_tokens", "n"):
+        if body.field(name) is not None and integer(body.field(name)) is None:
+            return False  # the instance answers what is wrong with it
+    if not isinstance(body.field("stream_options", {}), dict) or body.field("return_token_ids") not in (None, True):
         return False
     if path == COMPLETIONS:
-        prompt = request.get("prompt")
-        # one prompt: a string or one list of token ids
-        return isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
-    return not (request.get("tools") or request.get("functions") or request.get("logprobs")
-                or request.get("top_logprobs"))
+        return _one_prompt(body)
+    return not (_set(body, "tools") or _set(body, "functions") or _set(body, "logprobs")
+                or _set(body, "top_logprobs"))
+
+
+def _one_prompt(body: RequestBody) -> bool:
+    """A string or one list of token ids (read from its raw bytes: a long prompt is never decoded)."""
+    raw = body.raw_member("prompt")
+    if raw is None:
+        return False
+    text = bytes(raw).strip()
+    if text.startswith(b'"'):
+        return True
+    return text.startswith(b"[") and not any(c in text[1:] for c in b'[{".eEtfn')
 
 
 @dataclass
 class Choice:
-    """One choice as streamed so far: its token ids, whether it finished, its text's length."""
+    """One choice as streamed so far: its token ids, whether it finished, its text's length, and for a
+    chat choice whether its content started and whether it is inside its reasoning."""
 
     ids: list[int] = field(default_factory=list)
     finished: bool = False
     text_chars: int = 0
+    content_started: bool = False
+    reasoning: bool = False
 
 
 @dataclass
@@ -70,10 +105,11 @@ class Follow:
     """One streamed generation followed event by event (start() makes one)."""
 
     path: str
-    request: dict  # the client's body, parsed
+    body: RequestBody  # the client's
     wants_ids: bool  # the client asked for token ids itself
     upstream_body: bytes  # what is sent upstream (token ids asked for)
-    choices: dict[int, Choice] = field(default_factory=dict)
+    num_choices: int
+    choices: dict[int, Choice] = field(default_factory=dict)  # made as their events arrive
     prompt_ids: list[int] | None = None
     head: dict = field(default_factory=dict)  # id, created, model of the original stream
     usage_seen: bool = False
@@ -82,25 +118,17 @@ class Follow:
     _buffer: bytes = b""
 
     @classmethod
-    def start(cls, method: str, path: str, body: bytes) -> Follow | None:
-        """A Follow for a streamed generation the front can continue; None for anything else."""
-        if method != "POST" or path not in (COMPLETIONS, CHAT) or b'"stream"' not in body:
+    def start(cls, method: str, path: str, body: RequestBody) -> Follow | None:
+        """A Follow for a streamed generation the front can continue (or refuse at a break); None for anything else."""
+        if method != "POST" or path not in (COMPLETIONS, CHAT) or not body.is_object or not _continuable(path, body):
             return None
-        try:
-            request = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(request, dict) or not _continuable(path, request):
-            return None
-        wants_ids = request.get("return_token_ids") is True
-        upstream = body if wants_ids else _dump({**request, "return_token_ids": True})
-        num = request.get("n") or 1
-        return cls(path, request, wants_ids, upstream, {i: Choice() for i in range(num)})
+        wants_ids = body.field("return_token_ids") is True
+        upstream = body.raw if wants_ids else body.with_members(return_token_ids=True).raw
+        return cls(path, body, wants_ids, upstream, integer(body.field("n", 1)) or 1)
 
     @property
     def include_usage(self) -> bool:
-        options = self.request.get("stream_options") or {}
-        return bool(options.get("include_usage"))
+        return bool(self.body.field("stream_options", {}).get("include_usage"))
 
     # -- the original stream ------------------------------------------------------------------
 
@@ -130,7 +158,12 @@ class Follow:
         prompt's ids are unknown (no token event arrived: nothing reached the client to continue)."""
         if self.done or self.prompt_ids is None:
             return []
-        return [i for i, c in sorted(self.choices.items()) if not c.finished]
+        return [i for i in range(self.num_choices) if not self._choice(i).finished]
+
+    def _choice(self, index: int) -> Choice:
+        if index not in self.choices:
+            self.choices[index] = Choice()
+        return self.choices[index]
 
     def _note(self, data: dict) -> None:
         if not self.head:
@@ -140,14 +173,27 @@ class Follow:
         if self.path == CHAT and data.get("prompt_token_ids") is not None:
             self.prompt_ids = list(data["prompt_token_ids"])
         for choice in data.get("choices") or ():
-            state = self.choices.setdefault(choice.get("index", 0), Choice())
+            index = choice.get("index", 0)
+            if not isinstance(index, int) or not 0 <= index < self.num_choices:
+                continue
+            state = self._choice(index)
             if self.path == COMPLETIONS and choice.get("prompt_token_ids") is not None:
                 self.prompt_ids = list(choice["prompt_token_ids"])
             state.ids += choice.get("token_ids") or ()
-            text = choice.get("text") if self.path == COMPLETIONS else (choice.get("delta") or {}).get("content")
-            state.text_chars += len(text or "")
+            if self.path == COMPLETIONS:
+                state.text_chars += len(choice.get("text") or "")
+            else:
+                self._note_delta(state, choice.get("delta") or {})
             if choice.get("finish_reason") is not None:
                 state.finished = True
+
+    @staticmethod
+    def _note_delta(state: Choice, delta: dict) -> None:
+        if delta.get("reasoning") or delta.get("reasoning_content"):
+            state.reasoning = True
+        if content := delta.get("content"):
+            state.text_chars += len(content)
+            state.content_started, state.reasoning = True, False
 
     def _for_client(self, event: bytes, data: dict) -> bytes:
         if self.wants_ids:
@@ -160,22 +206,65 @@ class Follow:
 
     # -- the continuation ---------------------------------------------------------------------
 
-    def continuation(self, index: int) -> bytes:
-        """The body of a plain streamed completion that continues choice `index`."""
+    def refusal(self, index: int) -> str | None:
+        """Why choice `index` cannot be continued with the tokens an uninterrupted run gives; None if it can."""
+        broke = f"the stream broke off after {len(self._choice(index).ids)} tokens of choice {index}"
+        for name in _PENALTIES:
+            value = self.body.field(name)
+            if value not in (None, 0) and not malformed(value):
+                return (f"{broke} and is not continued: {name} counts the tokens already generated, which a "
+                        "continuation would take as prompt (its tokens would differ)")
+        if self.path != CHAT:
+            return None
+        if self.body.field("include_reasoning") is False:
+            return f"{broke} and is not continued: with include_reasoning false its reasoning is not streamed"
+        state = self._choice(index)
+        if state.reasoning:
+            return f"{broke} inside its reasoning and is not continued (the rest would come as content)"
+        if not state.content_started:
+            return f"{broke} before its content started and is not continued (it might begin with reasoning)"
+        return None
+
+    @property
+    def needs_max_model_len(self) -> bool:
+        """Whether the tokens left depend on the instance's max_model_len (a chat without a limit)."""
+        return self.path == CHAT and self._limit() is None
+
+    def _limit(self) -> int | None:
+        """The client's token limit, as vLLM reads it; None: a chat's, up to max_model_len."""
+        names = ("max_completion_tokens", "max_tokens") if self.path == CHAT else ("max_tokens",)
+        for name in names:
+            if (value := integer(self.body.field(name))) is not None:
+                return value
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.path == COMPLETIONS else None
+
+    def continuation(self, index: int, max_model_len: int | None = None) -> bytes | None:
+        """The body of a plain streamed completion that continues choice `index`; None where no
+        token is left to generate (finish() ends the choice). A chat without a limit needs
+        `max_model_len` (needs_max_model_len)."""
         assert self.prompt_ids is not None
         self._buffer = b""  # what the broken stream left unfinished is gone with it
-        choice = self.choices[index]
-        body = {k: self.request[k] for k in _CARRIED if k in self.request}
+        choice = self._choice(index)
+        limit = self._limit()
+        if limit is None:
+            assert max_model_len is not None, "a chat without a limit continues up to max_model_len"
+            limit = max_model_len - len(self.prompt_ids)
+        left = limit - len(choice.ids)
+        if left <= 0:
+            return None
+        assert self.body.members is not None
+        body: dict[str, Any] = {k: self.body.members[k] for k in _CARRIED if k in self.body.members}
         body.update(prompt=self.prompt_ids + choice.ids, stream=True, return_token_ids=True, n=1,
-                    stream_options={"include_usage": False})
-        limit = self.request.get("max_completion_tokens", self.request.get("max_tokens"))
-        if limit is not None:
-            body["max_tokens"] = max(limit - len(choice.ids), 0)
-        if (least := self.request.get("min_tokens")) is not None:
-            body["min_tokens"] = max(least - len(choice.ids), 0)
-        if self.path == COMPLETIONS and self.request.get("logprobs") is not None:
-            body["logprobs"] = self.request["logprobs"]
-        return _dump(body)
+                    stream_options={"include_usage": False}, max_tokens=left)
+        if (least := integer(self.body.field("min_tokens"))) is not None:
+            body["min_tokens"] = min(max(least - len(choice.ids), 0), left)
+        if self.path == COMPLETIONS and self.body.field("logprobs") is not None:
+            body["logprobs"] = self.body.field("logprobs")
+        return encode(body)
+
+    def finish(self, index: int, reason: str = "length") -> bytes:
+        """An event ending choice `index` with `reason` and no more text (its budget was spent at the break)."""
+        return self._as_original(index, {"text": "", "token_ids": [], "finish_reason": reason})
 
     def feed_continuation(self, index: int, piece: bytes) -> bytes:
         """The events of choice `index`'s continuation `piece` completes, as events of the original
@@ -191,7 +280,7 @@ class Follow:
         return bytes(out)
 
     def _as_original(self, index: int, choice: dict) -> bytes:
-        state = self.choices[index]
+        state = self._choice(index)
         ids = choice.get("token_ids") or []
         text = choice.get("text") or ""
         if (logprobs := choice.get("logprobs")) and logprobs.get("text_offset"):
@@ -216,7 +305,7 @@ class Follow:
         """The end of the spliced stream: where a choice is still unfinished, the error event the
         original sent or one naming `failure`; else the usage event if the client asked for it and
         the original did not send it; then [DONE]."""
-        if any(not c.finished for c in self.choices.values()):
+        if self.unfinished_any():
             error = {"error": {"message": failure or "the stream broke off and could not be continued",
                                "type": "ServiceUnavailableError", "param": None, "code": 503}}
             return (self.held_error or b"data: " + _dump(error) + b"\n\n") + DONE + b"\n\n"
@@ -228,6 +317,9 @@ class Follow:
             usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
             out += b"data: " + _dump({**self.head, "object": kind, "choices": [], "usage": usage}) + b"\n\n"
         return out + DONE + b"\n\n"
+
+    def unfinished_any(self) -> bool:
+        return any(not self._choice(i).finished for i in range(self.num_choices))
 
     # -- server-sent events -------------------------------------------------------------------
 

@@ -22,16 +22,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+from collections.abc import Callable
 
 import aiohttp
 import yarl
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
+from pdserve.launch.front.body import BodyRefused, RequestBody
 from pdserve.launch.front.config import FrontConfig, Upstream
 from pdserve.launch.front.continuation import COMPLETIONS, Follow
 from pdserve.launch.front.headers import forbidden_header, request_headers, response_headers
 from pdserve.launch.front.instances import InstancePool
+from pdserve.launch.front.intake import Intake, RequestRefused
 from pdserve.launch.front.metrics import CONTENT_TYPE, CONTINUED, FAILED_NO_INSTANCE, RETRIED, FrontMetrics
 from pdserve.launch.front.openai_error import ErrorBody, OpenAIError, from_upstream
 from pdserve.launch.front.routes import Routes
@@ -51,14 +54,6 @@ UPSTREAM_KEEPALIVE_S = 4.0
 # pauses writing at 64 KiB buffered): it is written without a timer, a third of the CPU a relayed
 # piece costs
 UNBLOCKED_WRITE_BYTES = 16 << 10
-
-
-class RequestRefused(Exception):
-    """The client's request breaks a limit; `error` answers it and the connection closes."""
-
-    def __init__(self, error: OpenAIError) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 class RelayBrokeOff(Exception):
@@ -100,10 +95,13 @@ def _message(error: ErrorBody) -> str:
 
 
 def _failure(upstream: Upstream, exc: BaseException, idle_timeout: float) -> OpenAIError:
-    """What the client is told when `upstream` failed before its response head."""
-    where = f"the {upstream.name} at {upstream.url}"
+    """What the client is told when `upstream` failed before its response head: named, its address
+    only logged (a client is not told the deployment's internal addresses)."""
+    logger.warning("front: the %s at %s failed: %r", upstream.name, upstream.url, exc)
+    where = f"the {upstream.name}"
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return OpenAIError(502, f"{where} is unreachable: {exc.os_error}")
+        cause = os.strerror(exc.os_error.errno) if exc.os_error.errno else type(exc.os_error).__name__
+        return OpenAIError(502, f"{where} is unreachable ({cause})")
     if isinstance(exc, TimeoutError):
         return OpenAIError(504, f"{where} sent no answer in {idle_timeout:.0f} s")
     if isinstance(exc, aiohttp.ServerDisconnectedError):
@@ -112,7 +110,7 @@ def _failure(upstream: Upstream, exc: BaseException, idle_timeout: float) -> Ope
         return OpenAIError(502, f"{where} answered something that is not HTTP/1.1: {exc.message}")
     if isinstance(exc, _TooLarge):
         return OpenAIError(502, f"{where} answered more than {MAX_ERROR_BODY_BYTES} bytes")
-    return OpenAIError(502, f"{where} failed: {exc!r}")
+    return OpenAIError(502, f"{where} failed: {type(exc).__name__}")
 
 
 async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes:
@@ -166,11 +164,17 @@ class _Relay:
 class Exchange:
     """The front's request handler, with its pool of connections to the upstreams (open() to close())."""
 
-    def __init__(self, config: FrontConfig) -> None:
+    def __init__(self, config: FrontConfig, pressured: Callable[[], bool] = lambda: False) -> None:
         self.metrics = FrontMetrics()
+        self._intake = Intake(config.limits, pressured)
         self.instances = InstancePool(config.fallback_sources, self.metrics)
         self._routes = Routes(config.upstream, config.direct_sources, self.instances, self.metrics)
         self._model_sources = config.model_sources
+        self._max_model_lens: dict[Upstream, int] = {}
+        known = {config.upstream, *config.model_sources, *config.direct_sources, *config.fallback_sources}
+        # longest first: "http://127.0.0.1:18002" before "127.0.0.1:18002"
+        self._addresses = sorted(((address.encode(), u.name) for u in known
+                                  for address in (u.url, f"{u.host}:{u.port}")), key=lambda a: -len(a[0]))
         self._limits = config.limits
         self._session: aiohttp.ClientSession | None = None
 
@@ -188,6 +192,10 @@ class Exchange:
         if self._session is not None:
             await self._session.close()
 
+    def tighten(self) -> None:
+        """The connection slots near their limit: bodies still arriving get the shorter deadline."""
+        self._intake.tighten()
+
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Answer `request` (its head read; its body not yet)."""
         try:
@@ -199,35 +207,21 @@ class Exchange:
                 return await self._models(request)
             if request.method == "GET" and request.path == METRICS_PATH and self.instances.sources:
                 return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
-            body = await self._read_body(request)
+            raw = await self._intake.read(request)
         except RequestRefused as refused:
             return refused.error.response(close=True)
-        return await self._serve(request, body)
-
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        limit = self._limits.max_body_bytes
-        too_large = RequestRefused(OpenAIError(413, f"the request body is over the limit of {limit} bytes"))
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large
-        if (expect := request.headers.get("Expect")) is not None:
-            if expect.lower() != "100-continue":
-                raise RequestRefused(OpenAIError(417, f"Expect: {expect[:40]!r} is not supported"))
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        body = bytearray()
+        num_held = len(raw)
         try:
-            async with asyncio.timeout(self._limits.body_timeout):
-                while chunk := await request.content.readany():
-                    body += chunk
-                    if len(body) > limit:
-                        raise too_large
-        except TimeoutError:
-            raise RequestRefused(OpenAIError(408, f"the request body did not arrive within "
-                                                  f"{self._limits.body_timeout:g} s")) from None
-        except RequestPayloadError as exc:
-            raise RequestRefused(OpenAIError(400, f"malformed request body: {exc}")) from None
-        return bytes(body)
+            try:
+                body = RequestBody.parse(raw, request.headers.get("Content-Type"))
+            except BodyRefused as refused:
+                return refused.error.response()
+            del raw  # forwarded as body.raw (the same bytes where nothing was taken out)
+            return await self._serve(request, body)
+        finally:
+            self._intake.release(num_held)
 
-    async def _serve(self, request: web.BaseRequest, body: bytes) -> web.StreamResponse:
+    async def _serve(self, request: web.BaseRequest, body: RequestBody) -> web.StreamResponse:
         """Send the request where routes.py says; where that failed unanswered, once more to another
         live instance (after a probe round: the failure may be an instance's death)."""
         upstream = self._routes.pick(request.method, request.path, body)
@@ -250,7 +244,7 @@ class Exchange:
         except _Unanswered as second:
             return self._no_instance((first, second))
 
-    def _follow(self, request: web.BaseRequest, body: bytes) -> Follow | None:
+    def _follow(self, request: web.BaseRequest, body: RequestBody) -> Follow | None:
         """A streamed generation to follow, so that it can be continued (only with instances to continue on)."""
         return Follow.start(request.method, request.path, body) if self.instances.sources else None
 
@@ -258,20 +252,19 @@ class Exchange:
         self.metrics.count(FAILED_NO_INSTANCE)
         tried = {failure.upstream for failure in failures}
         causes = [failure.what for failure in failures]
-        causes += [f"the {each.name} at {each.url} is down" for each in self.instances.down() if each not in tried]
+        causes += [f"the {each.name} is down" for each in self.instances.down() if each not in tried]
         return OpenAIError(503, f"no live instance to serve the request: {'; '.join(causes)}").response()
 
-    async def _forward(self, request: web.BaseRequest, body: bytes, upstream: Upstream,
+    async def _forward(self, request: web.BaseRequest, body: RequestBody, upstream: Upstream,
                        follow: Follow | None = None) -> web.StreamResponse:
         """`upstream`'s answer to the request, relayed (through `follow`, which also sets the body
         sent); _Unanswered where it failed leaving nothing to relay and nothing running."""
         assert self._session is not None
         url = yarl.URL(upstream.url + request.raw_path, encoded=True)
-        if follow is not None:
-            body = follow.upstream_body
+        data = follow.upstream_body if follow is not None else body.raw
         try:
             answer = await self._session.request(request.method, url, headers=request_headers(request.headers),
-                                                 data=body or None, allow_redirects=False)
+                                                 data=data or None, allow_redirects=False)
         except (aiohttp.ClientError, TimeoutError) as exc:
             failure = _failure(upstream, exc, self._limits.idle_timeout)
             if isinstance(exc, aiohttp.ClientOSError):  # refused or reset
@@ -285,9 +278,9 @@ class Exchange:
                     error_body = await _read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
                 except (aiohttp.ClientError, TimeoutError, _TooLarge) as exc:
                     return _failure(upstream, exc, self._limits.idle_timeout).response()
-                error = from_upstream(answer.status, error_body, f"{request.method} {request.path}")
+                error = self._unaddressed(from_upstream(answer.status, error_body, f"{request.method} {request.path}"))
                 if answer.status in RESENT_STATUSES:
-                    what = f"the {upstream.name} at {upstream.url} answered {answer.status}: {_message(error)}"
+                    what = f"the {upstream.name} answered {answer.status}: {_message(error)}"
                     raise _Unanswered(upstream, "upstream_5xx", what, error)
                 return error.response()
             return await self._relay(request, answer, upstream, follow)
@@ -309,7 +302,8 @@ class Exchange:
                 if isinstance(exc, aiohttp.ClientOSError):  # reset
                     self.instances.mark_down(upstream, str(exc))
                 if not relay.started:
-                    what = f"the {upstream.name} at {upstream.url} broke off its answer before its body: {exc}"
+                    logger.warning("front: the %s at %s broke off its answer: %r", upstream.name, upstream.url, exc)
+                    what = f"the {upstream.name} broke off its answer before its body ({type(exc).__name__})"
                     raise _Unanswered(upstream, "broke_before_first_byte", what, OpenAIError(502, what)) from exc
                 if follow is None or not follow.unfinished():
                     raise RelayBrokeOff(f"{request.method} {request.path}: {exc!r}") from exc
@@ -323,24 +317,35 @@ class Exchange:
 
     async def _continue(self, request: web.BaseRequest, relay: _Relay, follow: Follow, broken: Upstream) -> None:
         """Continue each unfinished choice of `follow` on a live instance, its events spliced into
-        `relay`; then end the stream (with an error event where a choice could not be finished)."""
+        `relay`; then end the stream (with an error event where a choice could not be finished
+        exactly: Follow.refusal)."""
         assert self._session is not None
         failure = ""
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         for index in follow.unfinished():
+            if (failure := follow.refusal(index) or "") != "":
+                logger.info("front: %s %s: %s", request.method, request.path, failure)
+                break
             await self.instances.refresh()  # the break may be an instance's death
             instance = self.instances.pick(exclude=broken)
             if instance is None:
                 failure = "the stream broke off and no live instance is left to continue it"
                 break
+            max_model_len = await self._max_model_len(instance) if follow.needs_max_model_len else None
+            if follow.needs_max_model_len and max_model_len is None:
+                failure = f"the stream broke off and the {instance.name} did not tell its max_model_len to continue it"
+                break
+            body = follow.continuation(index, max_model_len)
+            if body is None:  # its budget was spent at the break
+                await relay.write(follow.finish(index))
+                continue
             self.metrics.count(CONTINUED)
             logger.info("front: %s %s broke off after %d tokens; continued on the %s", request.method, request.path,
                         len(follow.choices[index].ids), instance.name)
             try:
-                async with self._session.post(f"{instance.url}{COMPLETIONS}", data=follow.continuation(index),
-                                              headers=headers) as answer:
+                async with self._session.post(f"{instance.url}{COMPLETIONS}", data=body, headers=headers) as answer:
                     if answer.status != 200:
                         error = await _read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
                         failure = f"the continuation on the {instance.name} answered {answer.status}: {error[:200]!r}"
@@ -348,9 +353,32 @@ class Exchange:
                     while piece := await answer.content.readany():
                         await relay.write(follow.feed_continuation(index, piece))
             except (aiohttp.ClientError, TimeoutError, _TooLarge) as exc:
-                failure = f"the continuation on the {instance.name} failed: {exc!r}"
+                logger.warning("front: the continuation on the %s at %s failed: %r", instance.name, instance.url, exc)
+                failure = f"the continuation on the {instance.name} failed ({type(exc).__name__})"
                 break
         await relay.write(follow.closing(failure))
+
+    async def _max_model_len(self, instance: Upstream) -> int | None:
+        """`instance`'s max_model_len, from its GET /v1/models (asked once); None if it did not answer it."""
+        if instance not in self._max_model_lens:
+            assert self._session is not None
+            try:
+                async with self._session.get(f"{instance.url}{MODELS_PATH}") as answer:
+                    models = json.loads(await _read_bounded(answer.content, MAX_ERROR_BODY_BYTES))
+                self._max_model_lens[instance] = int(models["data"][0]["max_model_len"])
+            except (aiohttp.ClientError, TimeoutError, _TooLarge, ValueError, LookupError, TypeError) as exc:
+                logger.warning("front: the %s at %s did not tell its max_model_len: %r", instance.name, instance.url, exc)
+                return None
+        return self._max_model_lens[instance]
+
+    def _unaddressed(self, error: ErrorBody) -> ErrorBody:
+        """`error` with every internal address the front knows replaced by its instance's name (logged first)."""
+        body = error.body
+        for address, name in self._addresses:
+            if address in body:
+                logger.warning("front: an error names the %s's address %s", name, address.decode())
+                body = body.replace(address, name.encode())
+        return ErrorBody(error.status, body)
 
     async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
         assert self._session is not None

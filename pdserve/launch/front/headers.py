@@ -10,6 +10,9 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-
                          "te", "trailer", "transfer-encoding", "upgrade"})
 # set again by the front for the body it sends: the request's is re-framed, the target's host is the upstream's
 _REFRAMED_REQUEST = frozenset({"host", "content-length", "expect"})
+# what pdserve's own processes set between them, never a client: vLLM takes X-Request-ID for its request
+# id, which a transfer between P and D is matched by
+_INTERNAL_REQUEST = frozenset({"x-request-id"})
 _FORBIDDEN_CHARS = ("\r", "\n", "\0")
 
 
@@ -24,8 +27,8 @@ def _kept(headers: CIMultiDictProxy[str], dropped: frozenset[str]) -> CIMultiDic
 
 
 def request_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    """A client's request headers as the front sends them upstream."""
-    return _kept(headers, _HOP_BY_HOP | _REFRAMED_REQUEST)
+    """A client's request headers as the front sends them upstream (X-Request-ID left out)."""
+    return _kept(headers, _HOP_BY_HOP | _REFRAMED_REQUEST | _INTERNAL_REQUEST)
 
 
 def response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:

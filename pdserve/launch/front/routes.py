@@ -13,8 +13,8 @@ live instance instead, as a plain request: the router would send some of them to
 from __future__ import annotations
 
 import itertools
-import json
 
+from pdserve.launch.front.body import RequestBody
 from pdserve.launch.front.config import Upstream
 from pdserve.launch.front.instances import InstancePool
 from pdserve.launch.front.metrics import ROUTED_AROUND, FrontMetrics
@@ -22,17 +22,11 @@ from pdserve.launch.front.metrics import ROUTED_AROUND, FrontMetrics
 COMPLETIONS_PATH = "/v1/completions"
 
 
-def merge_unsafe(method: str, path: str, body: bytes) -> bool:
+def merge_unsafe(method: str, path: str, body: RequestBody) -> bool:
     """Whether a PD router's merge would answer this request wrong (a completion with echo and logprobs)."""
-    if method != "POST" or path != COMPLETIONS_PATH or b'"echo"' not in body:
+    if method != "POST" or path != COMPLETIONS_PATH or not body.is_object:
         return False
-    try:
-        request = json.loads(body)
-    except ValueError:
-        return False  # the upstream names what is wrong with it
-    if not isinstance(request, dict):
-        return False
-    return request.get("echo") not in (None, False) and request.get("logprobs") is not None
+    return body.field("echo") not in (None, False) and body.field("logprobs") is not None
 
 
 class Routes:
@@ -46,7 +40,7 @@ class Routes:
         self._instances = instances
         self._metrics = metrics
 
-    def pick(self, method: str, path: str, body: bytes) -> Upstream | None:
+    def pick(self, method: str, path: str, body: RequestBody) -> Upstream | None:
         """Where the request goes; None when an instance is down and none is live."""
         if not self._instances.all_up:
             instance = self._instances.pick()

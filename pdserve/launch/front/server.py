@@ -43,7 +43,8 @@ class FrontServer:
         self.config = config
         self.state = State.NEW
         self._slots = ConnectionSlots(config.limits.max_connections, config.limits.connection_wait)
-        self._exchange = Exchange(config)
+        self._exchange = Exchange(config, lambda: self._slots.pressured)
+        self._slots.on_pressure = self._exchange.tighten
         self._connections: Connections | None = None  # made on the loop, by start()
         self._listener: asyncio.Server | None = None
         self._in_flight: set[asyncio.Task] = set()  # the handlers of requests accepted, until they return

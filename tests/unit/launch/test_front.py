@@ -50,8 +50,9 @@ def test_requests_and_bodies_pass_through_on_kept_alive_connections():
         echoed = response.json()
         assert json.loads(echoed["body"].encode("latin-1")) == body and echoed["target"] == "/echo?x=1"
         headers = {k.lower(): v for k, v in echoed["headers"]}
-        assert headers["x-request-id"] == "r1" and headers["content-length"] == str(len(echoed["body"]))
+        assert headers["content-length"] == str(len(echoed["body"]))
         assert not {"connection", "keep-alive", "x-hop", "te", "transfer-encoding"} & set(headers)  # hop-by-hop
+        assert "x-request-id" not in headers  # pdserve's own, never a client's
         chunked = raw(BASE, b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n"
                             b"\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
         assert chunked.startswith(b"HTTP/1.1 200")
@@ -127,7 +128,8 @@ def test_models_are_asked_of_the_instances_in_turn():
     with running(BASE + 6, models_from=(BASE + 19,)) as run:
         error = openai_error(requests.get(f"{run.url}/v1/models", timeout=10), 503)
         assert error["message"].startswith("no instance answered GET /v1/models (instance27119: the instance27119 "
-                                           f"at http://127.0.0.1:{BASE + 19} is unreachable")
+                                           "is unreachable")
+        assert "127.0.0.1" not in error["message"]  # its address is logged, not told
 
 
 @pytest.mark.parametrize("path, status, message", [
@@ -151,7 +153,7 @@ def test_errors_reach_the_client_in_openai_shape(path, status, message):
 def test_an_unreachable_upstream_and_a_malformed_request_are_named():
     with running(BASE + 10, upstream_port=BASE + 19) as run:
         error = openai_error(requests.get(f"{run.url}/v1/completions", timeout=10), 502)
-        assert error["message"].startswith(f"the router at http://127.0.0.1:{BASE + 19} is unreachable")
+        assert error["message"].startswith("the router is unreachable (Connection refused)")
         answer = raw(BASE + 10, b"GET /x HTTP/1.1\r\nbad header line\r\n\r\n")
         assert answer.split(b" ", 2)[1] == b"400" and b"malformed request: Invalid header token" in answer
         answer = raw(BASE + 10, b"POST /x HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -245,7 +247,7 @@ def test_an_upstream_answering_garbage_is_a_502_naming_it():
         server = run.call(asyncio.start_server(garbage, "127.0.0.1", BASE + 23, reuse_address=True))
         try:
             error = openai_error(requests.get(f"{run.url}/v1/completions", timeout=10), 502)
-            assert error["message"].startswith(f"the router at http://127.0.0.1:{BASE + 23} answered something that "
+            assert error["message"].startswith("the router answered something that "
                                                "is not HTTP/1.1"), error
         finally:
             server.close()

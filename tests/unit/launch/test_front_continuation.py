@@ -5,6 +5,7 @@ import json
 
 import requests
 
+from pdserve.launch.front.body import RequestBody
 from pdserve.launch.front.continuation import Follow
 from pdserve.launch.samples import parse_samples
 from tests.unit.launch.fake_upstream import running, serve_raw
@@ -36,16 +37,20 @@ def events(out: bytes) -> list:
             for e in out.split(b"\n\n") if e]
 
 
+def start(path: str, raw: bytes):
+    return Follow.start("POST", path, RequestBody.parse(raw))
+
+
 def follow(path="/v1/completions", **request):
     body = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 8, "temperature": 0, **request}
-    return Follow.start("POST", path, json.dumps(body).encode())
+    return start(path, json.dumps(body).encode())
 
 
 def test_only_streamed_generations_it_can_continue_are_followed():
     assert follow() is not None and follow(path="/v1/chat/completions", messages=[]) is not None
-    assert Follow.start("POST", "/v1/completions", b'{"prompt": "hi", "stream": false}') is None
-    assert Follow.start("POST", "/v1/embeddings", b'{"input": "hi", "stream": true}') is None
-    assert Follow.start("POST", "/v1/completions", b'{"stream": true, not json') is None
+    assert start("/v1/completions", b'{"prompt": "hi", "stream": false}') is None
+    assert start("/v1/embeddings", b'{"input": "hi", "stream": true}') is None
+    assert start("/v1/completions", b'{"stream": true, not json') is None
     for refused in (dict(stop=["\n"]), dict(echo=True), dict(best_of=2), dict(prompt=["a", "b"]),
                     dict(use_beam_search=True), dict(guided_json={"type": "object"}),
                     dict(response_format={"type": "json_object"}), dict(truncate_prompt_tokens=5)):

@@ -10,6 +10,7 @@ import time
 import pytest
 import requests
 
+from pdserve.launch.front.body import RequestBody
 from pdserve.launch.front.config import Upstream
 from pdserve.launch.front.instances import InstancePool
 from pdserve.launch.front.metrics import FrontMetrics
@@ -93,7 +94,7 @@ def test_client_errors_and_a_silent_upstream_are_not_resent():
         error = openai_error(requests.get(f"{run.url}/router-400", timeout=10), 400)
         assert error["message"].startswith("Failed to parse the request body as JSON")
         error = openai_error(requests.get(f"{run.url}/slow?s=3", timeout=10), 504)  # silent before its head
-        assert error["message"].startswith(f"the router at http://127.0.0.1:{BASE + 11} sent no answer")
+        assert error["message"].startswith("the router sent no answer")
         assert served_by_instances(run) == []
     with running(BASE + 10, upstream_port=silent_port, instances=instances(BASE + 10), idle_timeout=0.5) as run:
         server = run.call(serve_raw(silent_port, HEAD_ONLY, hold_s=2))  # silent after its head
@@ -126,8 +127,7 @@ def test_with_every_instance_dead_the_answer_is_a_503_naming_them():
             run.stop(fake)
         wait_for(lambda: instance_up(run, "decode") == instance_up(run, "prefill") == 0)
         error = openai_error(requests.post(f"{run.url}/v1/completions", json=BODY, timeout=10), 503)
-        assert error["message"] == (f"no live instance to serve the request: the decode at http://127.0.0.1:"
-                                    f"{BASE + 22} is down; the prefill at http://127.0.0.1:{BASE + 23} is down")
+        assert error["message"] == "no live instance to serve the request: the decode is down; the prefill is down"
         assert run.upstream.served == []
         assert front_metrics(run)["pdserve:requests_failed_no_instance_total"] == 1
 
@@ -138,9 +138,8 @@ def test_a_resend_that_fails_too_is_a_503_naming_both_failures():
         wait_for(lambda: instance_up(run, "prefill") == 0)
         run.instances["decode"].status = 503  # healthy, yet failing every request
         error = openai_error(requests.post(f"{run.url}/v1/completions", json=BODY, timeout=10), 503)
-        assert error["message"] == (f"no live instance to serve the request: the decode at http://127.0.0.1:"
-                                    f"{BASE + 27} answered 503: Decode server error: 503; the prefill at "
-                                    f"http://127.0.0.1:{BASE + 28} is down")
+        assert error["message"] == ("no live instance to serve the request: the decode answered 503: Decode server "
+                                    "error: 503; the prefill is down")  # no internal address: they are logged
         samples = front_metrics(run)
         assert samples["pdserve:requests_routed_around_total"] == 1
         assert samples["pdserve:requests_failed_no_instance_total"] == 1
@@ -193,8 +192,7 @@ def test_without_instances_to_fall_back_on_nothing_is_resent():
             error = openai_error(requests.post(f"{run.url}/v1/completions", json=BODY, timeout=10), 502)
         finally:
             server.close()
-        assert error["message"].startswith(f"the router at http://127.0.0.1:{router_port} broke off its answer "
-                                           "before its body")
+        assert error["message"].startswith("the router broke off its answer before its body")
 
 
 def test_routes_go_around_a_down_instance_for_echo_with_logprobs_too():
@@ -203,8 +201,8 @@ def test_routes_go_around_a_down_instance_for_echo_with_logprobs_too():
     metrics = FrontMetrics()
     pool = InstancePool((decode, prefill), metrics)
     routes = Routes(router, (decode,), pool, metrics)
-    echo = json.dumps({"model": "m", "prompt": "hi", "echo": True, "logprobs": 1}).encode()
-    plain = json.dumps(BODY).encode()
+    echo = RequestBody.parse(json.dumps({"model": "m", "prompt": "hi", "echo": True, "logprobs": 1}).encode())
+    plain = RequestBody.parse(json.dumps(BODY).encode())
     assert routes.pick("POST", "/v1/completions", echo) == decode
     assert routes.pick("POST", "/v1/completions", plain) == router
     pool.mark_down(decode, "connection refused")

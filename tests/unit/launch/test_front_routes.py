@@ -6,6 +6,7 @@ import json
 import pytest
 import requests
 
+from pdserve.launch.front.body import RequestBody
 from pdserve.launch.front.routes import merge_unsafe
 from tests.unit.launch.fake_upstream import running
 
@@ -23,10 +24,11 @@ ECHO = {"model": "m", "prompt": "hi", "echo": True, "logprobs": 1}
     ("GET", "/v1/completions", ECHO, False),
     ("POST", "/v1/completions", '{"echo": true, ', False),
     ("POST", "/v1/completions", ["echo"], False),
+    ("POST", "/v1/completions", '{"\\u0065cho": true, "logprobs": 1}', True),  # the key JSON-escaped
 ])
 def test_only_a_completion_with_echo_and_logprobs_is_merge_unsafe(method, path, body, unsafe):
     raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-    assert merge_unsafe(method, path, raw) is unsafe
+    assert merge_unsafe(method, path, RequestBody.parse(raw)) is unsafe
 
 
 def test_echo_with_logprobs_goes_to_the_direct_instances_in_turn():
