@@ -49,11 +49,12 @@ class Cell:
     repeat: int = 1  # send the prompts this many times (a kill must land while requests are in flight)
 
 
-def cells(mode: str, prefill_tp: int = 1) -> list[Cell]:
-    """Every cell of the matrix for `mode` ("write" | "read"); with a prefill of `prefill_tp` > 1
-    ranks, also one where P's last rank alone is killed mid-transfer."""
-    slow = TIMEOUTS["release_grace"] + 1.5
-    past = TIMEOUTS["transfer_timeout"] + 2
+def cells(mode: str, prefill_tp: int = 1, timeouts: dict = TIMEOUTS) -> list[Cell]:
+    """Every cell of the matrix for `mode` ("write" | "read") on a deployment with `timeouts`;
+    with a prefill of `prefill_tp` > 1 ranks, also one where P's last rank alone is killed
+    mid-transfer."""
+    slow = timeouts["release_grace"] + 1.5
+    past = timeouts["transfer_timeout"] + 2
     if mode == "write":
         messages = [("remote_blocks", "D"), ("write_done", "P")]
         copier = "P"
@@ -113,8 +114,9 @@ class Matrix:
     """Runs cells against one running PD cluster (Cluster with restart="on-failure")."""
 
     def __init__(self, cluster, mode: str, plan_path: Path, prompts: list[list[int]], reference: list[Generation],
-                 model: str, concurrency: int = 4):
+                 model: str, concurrency: int = 4, timeouts: dict = TIMEOUTS):
         self.cluster, self.mode, self.plan_path = cluster, mode, plan_path
+        self.timeouts = timeouts  # the deployment's connector deadlines
         self.concurrency = concurrency
         self.reference_tokens = len(reference[0]) if reference else MAX_TOKENS
         self.prompts, self.reference, self.model = prompts, reference, model
@@ -140,7 +142,7 @@ class Matrix:
             self._kill(cell.restart_first)
             self._wait_back(cell.restart_first)
         self.set_rules(cell.rules)
-        limit = TIMEOUTS["transfer_timeout"] + TIMEOUTS["release_grace"] + 30 + DEADLINE_MARGIN_S + cell.max_tokens * 0.2
+        limit = self.timeouts["transfer_timeout"] + self.timeouts["release_grace"] + 30 + DEADLINE_MARGIN_S + cell.max_tokens * 0.2
         try:
             outcomes = self._burst(cell, limit)
         finally:
@@ -160,7 +162,7 @@ class Matrix:
                 result.errors.append(f"{status}: {str(payload)[:160]}")
         if cell.kill:
             self._wait_back(cell.kill)
-        result.idle_seconds = self._wait_idle(TIMEOUTS["defer_timeout"] + 20)
+        result.idle_seconds = self._wait_idle(self.timeouts["defer_timeout"] + 20)
         if cell.kill:
             what = cell.kill if cell.kill_rank is None else f"{cell.kill} rank {cell.kill_rank}"
             result.note = f"killed {what} 1 s into {len(outcomes)} requests"

@@ -3,7 +3,7 @@ running deployment can go through many faults without a restart.
 
     {"rules": [
       {"action": "drop" | "delay" | "duplicate" | "reorder", "message": "<tag>", "seconds": 3.0},
-      {"action": "fail_copy" | "slow_copy" | "stall_copy", "seconds": 3.0},
+      {"action": "fail_copy" | "slow_copy" | "stall_copy" | "corrupt_copy", "seconds": 3.0},
       {"action": "kill", "at": "after_layer:1" | "receive:<tag>"}
     ], "generation": 1}
 
@@ -13,7 +13,9 @@ remote_blocks, write_done, release, read_done, read_ack). Copy rules act on this
 transport: `slow_copy` sleeps on the copy thread after each batch (the queue behind it waits
 too), `fail_copy` fails a batch after its bytes landed (the worst case for D: the blocks look
 written), `stall_copy` sleeps after a batch was admitted and before its bytes move (a copy that
-began before its deadline and is slowed past it; shared-memory and NIXL transports alike). `kill` SIGKILLs this instance's whole process group at a named point.
+began before its deadline and is slowed past it; shared-memory and NIXL transports alike),
+`corrupt_copy` flips bytes of every batch after they landed (corrupt.py; shared memory only): the
+transfer succeeds with wrong bytes, so a test can show the decode side really computes from them. `kill` SIGKILLs this instance's whole process group at a named point.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from pdserve.faults.corrupt import invert_bytes
+
 logger = logging.getLogger("pdserve.faults")
 
 MESSAGE_ACTIONS = ("drop", "delay", "duplicate", "reorder")
-COPY_ACTIONS = ("fail_copy", "slow_copy", "stall_copy")
+COPY_ACTIONS = ("fail_copy", "slow_copy", "stall_copy", "corrupt_copy")
 REORDER_S = 0.3
 RELOAD_EVERY_S = 0.2
 
@@ -158,7 +162,9 @@ class FaultPlan:
 
     def _on_copy(self, direction, ranges) -> None:
         for rule in self.rules():
-            if rule.action in ("fail_copy", "slow_copy") and rule.take():
+            if rule.action == "corrupt_copy" and rule.take():
+                invert_bytes(ranges)
+            elif rule.action in ("fail_copy", "slow_copy") and rule.take():
                 logger.warning("pdserve: fault: %s", rule.action)
                 if rule.action == "slow_copy":
                     time.sleep(rule.seconds)

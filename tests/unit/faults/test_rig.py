@@ -88,6 +88,20 @@ def test_corruption_flips_every_second_byte_of_what_lands(pair):
     assert (remote[0:64:2] == 0x01).all() and (remote[1:64:2] == 0x81).all()
 
 
+def test_a_fault_plan_corrupts_what_lands_while_its_rule_is_in_force(pair, tmp_path):
+    plan = tmp_path / "faults.json"
+    plan.write_text(json.dumps({"rules": [{"action": "corrupt_copy"}]}))
+    rig = attach_rig(config(test_fault_plan=str(plan)))
+    transport, (local, remote) = pair(rig.wrap_transport)
+    local[:64] = 0x01
+    assert write(transport) is TransferStatus.DONE
+    assert (remote[0:64:2] == 0x01).all() and (remote[1:64:2] == 0x81).all()
+    plan.write_text(json.dumps({"rules": [], "generation": 2}))  # a new size: re-read at once
+    rig._plan._next_check = 0.0
+    remote[:64] = 0
+    assert write(transport) is TransferStatus.DONE and (remote[:64] == 0x01).all()
+
+
 def test_a_fault_plan_drops_messages_and_fails_copies_of_its_role(pair, tmp_path):
     plan = tmp_path / "faults.json"
     plan.write_text(json.dumps({"rules": [{"action": "drop", "message": "write_done", "role": "P"},
