@@ -301,14 +301,15 @@ class Follow:
         kind = "text_completion" if self.path == COMPLETIONS else "chat.completion.chunk"
         return b"data: " + _dump({**self.head, "object": kind, "choices": [out]}) + b"\n\n"
 
-    def closing(self, failure: str = "") -> bytes:
+    def closing(self, failure: str = "", refused: bool = False) -> bytes:
         """The end of the spliced stream: where a choice is still unfinished, the error event the
-        original sent or one naming `failure`; else the usage event if the client asked for it and
-        the original did not send it; then [DONE]."""
+        original sent or one naming `failure` (`refused`: always `failure`, the refusal's reason);
+        else the usage event if the client asked for it and the original did not send it; then [DONE]."""
         if self.unfinished_any():
             error = {"error": {"message": failure or "the stream broke off and could not be continued",
                                "type": "ServiceUnavailableError", "param": None, "code": 503}}
-            return (self.held_error or b"data: " + _dump(error) + b"\n\n") + DONE + b"\n\n"
+            event = b"data: " + _dump(error) + b"\n\n"
+            return (event if refused else self.held_error or event) + DONE + b"\n\n"
         out = b""
         if self.include_usage and not self.usage_seen and self.prompt_ids is not None:
             prompt = len(self.prompt_ids)

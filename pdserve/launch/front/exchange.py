@@ -320,13 +320,14 @@ class Exchange:
         `relay`; then end the stream (with an error event where a choice could not be finished
         exactly: Follow.refusal)."""
         assert self._session is not None
-        failure = ""
+        failure, refused = "", False
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         for index in follow.unfinished():
-            if (failure := follow.refusal(index) or "") != "":
-                logger.info("front: %s %s: %s", request.method, request.path, failure)
+            if (reason := follow.refusal(index)) is not None:
+                logger.info("front: %s %s: %s", request.method, request.path, reason)
+                failure, refused = reason, True
                 break
             await self.instances.refresh()  # the break may be an instance's death
             instance = self.instances.pick(exclude=broken)
@@ -356,7 +357,7 @@ class Exchange:
                 logger.warning("front: the continuation on the %s at %s failed: %r", instance.name, instance.url, exc)
                 failure = f"the continuation on the {instance.name} failed ({type(exc).__name__})"
                 break
-        await relay.write(follow.closing(failure))
+        await relay.write(follow.closing(failure, refused))
 
     async def _max_model_len(self, instance: Upstream) -> int | None:
         """`instance`'s max_model_len, from its GET /v1/models (asked once); None if it did not answer it."""

@@ -3,12 +3,14 @@ events shaped as vLLM 0.32 streams them."""
 
 import json
 
+import pytest
 import requests
+from aiohttp import web
 
 from pdserve.launch.front.body import RequestBody
 from pdserve.launch.front.continuation import Follow
 from pdserve.launch.samples import parse_samples
-from tests.unit.launch.fake_upstream import running, serve_raw
+from tests.unit.launch.fake_upstream import FakeUpstream, running, serve_raw
 
 BASE = 27460  # 27460-27489: a test's front on BASE + 10k, its fakes on the ports after it
 
@@ -215,3 +217,127 @@ def test_each_unfinished_choice_of_n_is_continued_through_the_front():
         assert got[-1] == "[DONE]"
         (continued,) = [json.loads(b) for b in run.instances["decode"].bodies]
         assert continued["prompt"] == [1, 2, 6] and continued["max_tokens"] == 1 and continued["n"] == 1
+
+
+# -- budgets counted from the tokens already sent; what cannot be continued exactly is refused ----------
+
+
+def broken_after(f, *ids: int, prompt_ids=(1, 2, 3)):
+    """`f` fed one event per token id (a completion's or a chat's), the stream then broken."""
+    for i, token in enumerate(ids):
+        first = {"prompt_ids": prompt_ids} if i == 0 else {}
+        f.feed(completion_event(text="t", ids=[token], **first) if f.path == "/v1/completions"
+               else chat_event(content="t", ids=[token], **first))
+    return f
+
+
+def test_a_completion_without_max_tokens_continues_with_what_is_left_of_vllms_16():
+    for absent in ({}, {"max_tokens": None}):
+        f = broken_after(follow(**{"max_tokens": None, **absent}), 5, 6, 7)
+        assert not f.needs_max_model_len
+        body = json.loads(f.continuation(0))
+        assert body["max_tokens"] == 16 - 3 and body["prompt"] == [1, 2, 3, 5, 6, 7]
+
+
+def test_a_chat_without_a_limit_continues_up_to_max_model_len():
+    messages = [{"role": "user", "content": "hi"}]
+    f = broken_after(follow(path="/v1/chat/completions", messages=messages, max_tokens=None), 5, 6)
+    assert f.needs_max_model_len
+    assert json.loads(f.continuation(0, max_model_len=100))["max_tokens"] == 100 - 3 - 2
+    g = broken_after(follow(path="/v1/chat/completions", messages=messages, max_tokens=10,
+                            max_completion_tokens=None), 5, 6)  # a null max_completion_tokens: max_tokens holds
+    assert not g.needs_max_model_len and json.loads(g.continuation(0))["max_tokens"] == 8
+
+
+def test_min_tokens_counts_the_tokens_already_sent_within_what_is_left():
+    f = broken_after(follow(max_tokens=None, min_tokens=10), 5, 6, 7, 8)
+    body = json.loads(f.continuation(0))
+    assert (body["min_tokens"], body["max_tokens"]) == (6, 12)
+    g = broken_after(follow(max_tokens=6, min_tokens=6), 5, 6, 7, 8, 9)
+    assert (json.loads(g.continuation(0))["min_tokens"], json.loads(g.continuation(0))["max_tokens"]) == (1, 1)
+
+
+def test_a_choice_whose_budget_was_spent_at_the_break_ends_with_length():
+    f = broken_after(follow(max_tokens=2), 5, 6)  # its last event had no finish_reason yet
+    assert f.unfinished() == [0] and f.continuation(0) is None
+    (event,) = events(f.finish(0))
+    assert event["choices"][0]["finish_reason"] == "length" and event["choices"][0]["text"] == ""
+    assert f.unfinished() == [] and events(f.closing()) == ["[DONE]"]
+
+
+@pytest.mark.parametrize("penalty", ["frequency_penalty", "presence_penalty"])
+def test_penalties_are_refused_at_the_break_with_an_error_event_never_other_tokens(penalty):
+    f = broken_after(follow(**{penalty: 0.5}), 5, 6)
+    reason = f.refusal(0)
+    assert reason.startswith("the stream broke off after 2 tokens of choice 0") and penalty in reason
+    f.held_error = b'data: {"error": {"message": "boom"}}\n\n'  # the refusal's reason wins over the break's
+    error, done = events(f.closing(reason, refused=True))
+    assert error["error"]["message"] == reason and error["error"]["code"] == 503 and done == "[DONE]"
+    assert broken_after(follow(**{penalty: 0}), 5).refusal(0) is None  # no penalty: continued
+
+
+def test_a_chat_choice_is_continued_only_once_its_content_started_and_its_reasoning_ended():
+    def chat(*deltas, **request):
+        f = follow(path="/v1/chat/completions", messages=[], **request)
+        f.feed(chat_event(role="assistant", content="", prompt_ids=[1, 2]))
+        for i, delta in enumerate(deltas):
+            data = {**HEAD, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": None, "token_ids": [10 + i]}]}
+            f.feed(b"data: " + json.dumps(data).encode() + b"\n\n")
+        return f.refusal(0)
+
+    assert "inside its reasoning" in chat({"reasoning": "let me"})
+    assert "inside its reasoning" in chat({"reasoning_content": "let me"})
+    assert chat({"reasoning": "let me"}, {"content": "Yes"}) is None  # reasoning over: the rest is content
+    assert "before its content started" in chat()
+    assert chat({"content": "Yes"}) is None
+    assert "include_reasoning" in chat({"content": "Yes"}, include_reasoning=False)
+
+
+def test_choices_are_made_as_their_events_arrive_not_sized_by_n():
+    f = follow(n=16384)
+    assert f.choices == {}
+    f.feed(completion_event(3, "a", [5], prompt_ids=[1]) + completion_event(20000, "x", [6]))  # out of range: ignored
+    assert set(f.choices) == {3} and len(f.unfinished()) == 16384
+    body = json.loads(f.continuation(0))  # a choice that sent nothing continues from the prompt alone
+    assert body["prompt"] == [1] and body["max_tokens"] == 8
+
+
+def test_the_front_continues_a_chat_without_a_limit_up_to_the_instances_max_model_len(monkeypatch):
+    handle = FakeUpstream.handle
+
+    async def with_max_model_len(self, request):  # vLLM's model card names max_model_len
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "m", "max_model_len": 64}]})
+        return await handle(self, request)
+
+    monkeypatch.setattr(FakeUpstream, "handle", with_max_model_len)
+    router = BASE + 9 + 40
+    with running(BASE + 40, upstream_port=router, instances=(("decode", BASE + 42),)) as run:
+        server = run.call(serve_raw(router, broken_stream(chat_event(role="assistant", content="", prompt_ids=[1] * 10),
+                                                          chat_event("a", [5]), chat_event("b", [6]))))
+        run.instances["decode"].completion_events = [completion_event(text="c", ids=[7], finish="length")]
+        try:
+            with requests.post(f"{run.url}/v1/chat/completions", stream=True, timeout=20,
+                               json={"model": "m", "messages": [], "stream": True}) as response:
+                got = events(response.raw.read())
+        finally:
+            server.close()
+        assert [e["choices"][0]["delta"].get("content") for e in got[1:4]] == ["a", "b", "c"] and got[-1] == "[DONE]"
+        (continued,) = [json.loads(b) for b in run.instances["decode"].bodies]
+        assert continued["max_tokens"] == 64 - 10 - 2 and continued["prompt"] == [1] * 10 + [5, 6]
+
+
+def test_the_front_ends_a_stream_it_cannot_continue_exactly_with_an_error_event():
+    router = BASE + 9 + 50
+    with running(BASE + 50, upstream_port=router, instances=(("decode", BASE + 52),)) as run:
+        server = run.call(serve_raw(router, broken_stream(completion_event(text="a", ids=[5], prompt_ids=[1]))))
+        try:
+            got, _ = client_events(run, {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True,
+                                         "frequency_penalty": 1.0})
+        finally:
+            server.close()
+        text, error, done = got
+        assert text["choices"][0]["text"] == "a" and done == "[DONE]"
+        assert "frequency_penalty" in error["error"]["message"]
+        assert run.instances["decode"].bodies == []  # nothing was continued
