@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import pytest
 import requests
 
 from pdserve import launch
 from pdserve.launch import Cluster, UpOptions
 from pdserve.launch.process import group_members
+from tests.integration.pool import POOL, DeploymentPool, deployment_of
 from tests.integration.port_check import still_bound
 
 STARTUP_TIMEOUT = 600
@@ -94,3 +97,46 @@ def requests_served(instance_url: str) -> float:
     text = requests.get(f"{instance_url}/metrics", timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:request_success_total"))
+
+
+# ---- the shared deployments (pool.py) ---------------------------------------------------------
+
+def pytest_itemcollected(item):
+    """Every test here is an integration test (`-m "not integration"` is the fast loop)."""
+    if Path(__file__).parent in item.path.parents:
+        item.add_marker(pytest.mark.integration)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Put the tests of each shared deployment next to each other (in file order, where its first
+    test was), and tell the pool where each deployment's last test is."""
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        name = deployment_of(item)
+        if name is not None:
+            first.setdefault(name, index)
+    position = {id(item): (first[n] if (n := deployment_of(item)) else index, index) for index, item in enumerate(items)}
+    items.sort(key=lambda item: position[id(item)])
+    last_use = {name: index for index, item in enumerate(items) if (name := deployment_of(item))}
+    pool = DeploymentPool()
+    pool.plan(last_use)
+    config.stash[POOL] = pool
+    config.stash[ORDER] = {item.nodeid: index for index, item in enumerate(items)}
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After a shared deployment's last test, stop it."""
+    if POOL in item.config.stash:
+        item.config.stash[POOL].finished(item.config.stash[ORDER].get(item.nodeid, -1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deployment_pool(request):
+    """Stops whatever shared deployment still runs when the session ends (a failed or stopped run)."""
+    yield
+    if POOL in request.config.stash:
+        request.config.stash[POOL].close()
+
+
+ORDER = pytest.StashKey[dict]()

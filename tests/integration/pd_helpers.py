@@ -62,6 +62,7 @@ def pd_cluster(mode: str, port: int, *, front: bool = False, restart: RestartPol
             wait_routable(cluster)
         yield cluster
     finally:
+        pids += [p.pid for p in cluster.processes]  # and those a supervisor restarted meanwhile
         cluster.stop()
     assert all(group_members(pid) == [] for pid in pids), "a process of the launch survived stop()"
     bound = still_bound(deployment.ports)
@@ -71,9 +72,10 @@ def pd_cluster(mode: str, port: int, *, front: bool = False, restart: RestartPol
 
 
 @contextmanager
-def pd_pair(mode: str, port: int, **connector_extra) -> Iterator[Cluster]:
+def pd_pair(mode: str, port: int, *, front: bool = False, restart: RestartPolicy = "never",
+            **connector_extra) -> Iterator[Cluster]:
     """pd_cluster for write/read, with `mode`, `prefill_url` and `decode_url` set on the cluster."""
-    with pd_cluster(mode, port, **connector_extra) as cluster:
+    with pd_cluster(mode, port, front=front, restart=restart, **connector_extra) as cluster:
         cluster.mode = mode
         cluster.prefill_url = cluster.instance_urls["prefill"]
         cluster.decode_url = cluster.instance_urls["decode"]

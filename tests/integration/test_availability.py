@@ -1,7 +1,7 @@
 """Availability through the front (write mode, tiny model, instances restarted on failure): a
 request survives the death of the instance serving it.
 
-In order, on one deployment: D SIGKILLed mid-stream (the stream continues on P, its tokens those of
+In order, on the shared write deployment (pool.py): D SIGKILLed mid-stream (the stream continues on P, its tokens those of
 an uninterrupted collocated run, its usage whole); P SIGKILLed (requests sent right after fall back
 to D, greedy outputs equal collocated serving); both SIGKILLed (an OpenAI-shaped 503). After each
 death the restarted instance is used through the router again."""
@@ -23,14 +23,13 @@ from tests.integration.pd_helpers import (
     greedy,
     metrics,
     model_name,
-    pd_cluster,
     prompts,
     reference_server,
 )
+from tests.integration.pool import shared
 
 pytestmark = pytest.mark.integration
 
-PORT = 26500  # 26500-26520
 PROMPTS = prompts(8, seed=77)
 LONG = 200  # tokens of the stream broken mid-way
 RESTART_DEADLINE = 600
@@ -46,10 +45,7 @@ def reference(greedy_reference):
     return short, greedy_reference["availability-long"]
 
 
-@pytest.fixture(scope="module")
-def cluster(reference):  # the references first: the collocated instance is idle while P and D run
-    with pd_cluster("write", PORT, front=True, restart="on-failure") as running:
-        yield running
+cluster = shared("pd-write")
 
 
 def front_metrics(cluster) -> dict[str, float]:
@@ -86,6 +82,7 @@ def test_decode_killed_mid_stream_continues_on_prefill(cluster, reference):
     body = {"model": model_name(cluster), "prompt": prompt, "max_tokens": LONG, "temperature": 0, "logprobs": 2,
             "return_token_ids": True, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     events, killed = [], None
+    continued = metric(front_metrics(cluster), "pdserve:requests_continued_total")
     with requests.post(f"{cluster.endpoint}/v1/completions", json=body, stream=True, timeout=300) as response:
         assert response.status_code == 200, response.text
         lines = response.iter_lines(chunk_size=None)
@@ -105,7 +102,7 @@ def test_decode_killed_mid_stream_continues_on_prefill(cluster, reference):
     assert result.ok, result.summary()
     assert events[-1]["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": LONG,
                                    "total_tokens": len(prompt) + LONG}
-    assert metric(front_metrics(cluster), "pdserve:requests_continued_total") >= 1
+    assert metric(front_metrics(cluster), "pdserve:requests_continued_total") >= continued + 1
     wait_back(cluster, "decode", killed)
 
 

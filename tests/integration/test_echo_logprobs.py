@@ -1,6 +1,6 @@
-"""`echo` with `logprobs` through `pdserve up`: a write and a read deployment answer each completion,
-streamed or not, as collocated serving does (the front sends it whole to the decode instance;
-vllm-router's merge of the two legs would list the prompt twice). One deployment at a time."""
+"""`echo` with `logprobs` through the front: the shared write and read deployments (pool.py) answer
+each completion, streamed or not, as the session's collocated reference does (the front sends it
+whole to the decode instance; vllm-router's merge of the two legs would list the prompt twice)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,12 @@ from dataclasses import dataclass, field
 import pytest
 import requests
 
-from pdserve.launch import UpOptions
-from pdserve.model.build import resolve_model
-from tests.integration.conftest import launched
-from tests.integration.openai_checks import wait_routable
-from tests.integration.pd_helpers import LOG_DIR
+from tests.integration.pd_helpers import model_name, reference_server
+from tests.integration.pool import shared
 from tests.integration.request_shapes import LOGPROB_TOLERANCE
 
 pytestmark = pytest.mark.integration
 
-PORT = 27320  # 27320-27359
 MAX_TOKENS = 6
 _rng = random.Random(38)
 PROMPTS = {
@@ -70,24 +66,22 @@ def ask(endpoint: str, model: str, prompt, logprobs: int, stream: bool) -> Echo:
     return echo
 
 
-def answers(options: UpOptions) -> dict[tuple, Echo]:
-    model = str(resolve_model("tiny"))
-    with launched(options) as cluster:
-        wait_routable(cluster.endpoint, model)
-        if options.mode != "collocated":
-            decode = [(i.name, i.url) for i in cluster.deployment.instances if i.role == "decode"]
-            assert cluster.deployment.front.direct_sources == tuple(decode)
-        return {case: ask(cluster.endpoint, model, PROMPTS[case[0]], *case[1:]) for case in CASES}
+def answers(cluster) -> dict[tuple, Echo]:
+    model = model_name(cluster)
+    if cluster.deployment.router is not None:
+        decode = [(i.name, i.url) for i in cluster.deployment.instances if i.role == "decode"]
+        assert cluster.deployment.front.direct_sources == tuple(decode)
+    return {case: ask(cluster.endpoint, model, PROMPTS[case[0]], *case[1:]) for case in CASES}
 
 
-def options(mode: str) -> UpOptions:
-    return UpOptions(mode=mode, port=PORT + 12 * ("collocated", "write", "read").index(mode), enforce_eager=True,
-                     kv_cache_bytes=256 << 20, log_dir=LOG_DIR / f"echo-{mode}")
+pd = shared("pd-write", "pd-read")
 
 
 @pytest.fixture(scope="module")
-def collocated() -> dict[tuple, Echo]:
-    return answers(options("collocated"))
+def collocated(greedy_reference) -> dict[tuple, Echo]:
+    if "echo" not in greedy_reference:
+        greedy_reference["echo"] = answers(reference_server(greedy_reference))
+    return greedy_reference["echo"]
 
 
 def check_equal(got: Echo, want: Echo, case: tuple) -> None:
@@ -101,12 +95,11 @@ def check_equal(got: Echo, want: Echo, case: tuple) -> None:
     assert len(got.top_tokens) == len(want.top_tokens), case
 
 
-@pytest.mark.parametrize("mode", ["write", "read"])
-def test_echo_with_logprobs_answers_as_collocated(mode, collocated):
+def test_echo_with_logprobs_answers_as_collocated(pd, collocated):
     for case, want in collocated.items():
         prompt = PROMPTS[case[0]]
         if isinstance(prompt, list):  # the prompt once, then the completion: nothing repeated
             assert len(want.tokens) == len(prompt) + MAX_TOKENS, (case, len(want.tokens))
-    got = answers(options(mode))
+    got = answers(pd)
     for case, want in collocated.items():
         check_equal(got[case], want, case)

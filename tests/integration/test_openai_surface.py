@@ -1,28 +1,18 @@
-"""`pdserve up --mode read` as an OpenAI endpoint: /v1/models through the endpoint (vllm-router's PD
-discovery mode alone answers 503), the official client's streaming, errors in OpenAI's shape.
+"""The shared read deployment (pool.py: P, D, vllm-router and the front, as `pdserve up --mode read`)
+as an OpenAI endpoint: /v1/models through the endpoint (vllm-router's PD discovery mode alone
+answers 503), the official client's streaming, errors in OpenAI's shape.
 Write mode gets the same checks in test_drain.py, on the deployment that test then stops."""
 
 import pytest
 import requests
 
-from pdserve.launch import UpOptions
 from pdserve.model.build import resolve_model
-from tests.integration.conftest import launched
-from tests.integration.openai_checks import check_error_shapes, check_openai_client, wait_routable
-from tests.integration.pd_helpers import LOG_DIR
+from tests.integration.openai_checks import check_error_shapes, check_openai_client
+from tests.integration.pool import shared
 
 pytestmark = pytest.mark.integration
 
-PORT = 27300  # 27300-27309
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    options = UpOptions(mode="read", port=PORT, enforce_eager=True, kv_cache_bytes=256 << 20,
-                        log_dir=LOG_DIR / "openai-surface")
-    with launched(options) as c:
-        wait_routable(c.endpoint, str(resolve_model("tiny")))
-        yield c
+cluster = shared("pd-read")
 
 
 def test_models_answer_through_the_endpoint_not_the_router_alone(cluster):

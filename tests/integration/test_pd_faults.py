@@ -3,12 +3,13 @@ is used, and the correctness check can fail), and D killed during transfers leav
 where P holds a prompt's KV longest: until D's block ids come; READ's D-killed cell runs in
 scripts/fault_matrix.py, its results in benchmarks/fault-matrix/).
 
-One cluster per mode, started with the test-only `test_corrupt_transfers` switch; the last test
-kills D.
+The shared write and read deployments (pool.py), corruption switched on through their fault plan
+for the first test only; the last test kills D, which the supervisor restarts.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -25,10 +26,10 @@ from tests.integration.pd_helpers import (
     metric,
     metrics,
     model_name,
-    pd_pair,
     prompts,
     wait_idle,
 )
+from tests.integration.pool import DeploymentName, shared
 
 pytestmark = pytest.mark.integration
 
@@ -41,15 +42,17 @@ def reference(greedy_reference):
     return collocated_reference(greedy_reference, "faults8", PROMPTS)
 
 
-@pytest.fixture(scope="module", params=["write", "read"])
-def corrupted(request, reference):
-    with pd_pair(request.param, PORTS[request.param], test_corrupt_transfers=True) as cluster:
-        yield cluster
+corrupted = shared("pd-write", "pd-read")
 
 
 def test_corrupted_bytes_change_the_output(corrupted, reference):
     before = metrics(corrupted.decode_url)
-    output = greedy(corrupted.endpoint, corrupted, PROMPTS)
+    corrupted.fault_plan.write_text(json.dumps({"rules": [{"action": "corrupt_copy"}]}))
+    time.sleep(0.6)  # the workers re-read the plan every 0.2 s
+    try:
+        output = greedy(corrupted.endpoint, corrupted, PROMPTS)
+    finally:
+        corrupted.fault_plan.write_text(json.dumps({"rules": []}))
     result = compare_greedy(reference, output)
     print(corrupted.mode, result.summary())
     assert not result.ok, "the output did not change although every transferred byte was corrupted"
@@ -58,7 +61,7 @@ def test_corrupted_bytes_change_the_output(corrupted, reference):
     assert done == len(PROMPTS)  # the transfers "succeeded": only the bytes were wrong
 
 
-@pytest.mark.parametrize("corrupted", ["write"], indirect=True)
+@pytest.mark.parametrize("corrupted", [DeploymentName("pd-write")], ids=["pd-write"], indirect=True)
 def test_decode_killed_during_transfers_leaves_prefill_clean(corrupted, reference):
     """Last test of the module: D is frozen (SIGSTOP) while requests arrive, so P prefills them and
     holds their KV for D (WRITE: waiting for D's block ids; READ: waiting for D's read); then D is

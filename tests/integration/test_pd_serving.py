@@ -1,7 +1,8 @@
 """PD disaggregation through vllm-router, both modes, real vLLM: correctness, KV reuse, chunked
 prefill, bad input, client disconnect, and finally P killed under D (the survivor keeps serving).
 
-One cluster per mode serves every test here, in order; the last test kills P.
+The shared write and read deployments (pool.py) serve every test here, in order; the last test
+kills P, which the deployment's supervisor restarts before the next module gets it.
 """
 
 from __future__ import annotations
@@ -29,16 +30,15 @@ from tests.integration.pd_helpers import (
     metric,
     metrics,
     model_name,
-    pd_pair,
     prompts,
     wait_idle,
 )
+from tests.integration.pool import shared
 from tests.integration.request_shapes import check_n_choices
 from tests.integration.seeded_requests import check_seeded_requests
 
 pytestmark = pytest.mark.integration
 
-PORTS = {"write": 28100, "read": 28200}
 PROMPTS = prompts()
 
 
@@ -47,10 +47,7 @@ def reference(greedy_reference):
     return collocated_reference(greedy_reference, "pd40", PROMPTS)
 
 
-@pytest.fixture(scope="module", params=["write", "read"])
-def pd(request, reference):
-    with pd_pair(request.param, PORTS[request.param]) as cluster:
-        yield cluster
+pd = shared("pd-write", "pd-read")
 
 
 def test_disaggregated_output_equals_collocated(pd, reference):
@@ -119,6 +116,7 @@ def test_malformed_kv_transfer_params_are_recomputed_and_named(pd, params, why):
     recompute is counted. Never a 200 with tokens it could not have."""
     model = model_name(pd)
     prompt = [11, 12, 13, 14]
+    mark = log_marks(pd)
     before = metric(metrics(pd.decode_url), "pdserve:kv_recomputed_total")
     started = time.monotonic()
     bad = requests.post(f"{pd.decode_url}/v1/completions", timeout=120, json={
@@ -127,7 +125,7 @@ def test_malformed_kv_transfer_params_are_recomputed_and_named(pd, params, why):
     assert time.monotonic() - started < 30
     assert bad.status_code == 200, bad.text
     assert bad.json()["choices"][0]["text"] == _plain_text(pd, prompt)
-    assert why in _log(pd, "decode"), f"D's log does not say what was wrong ({why!r})"
+    assert why in _log(pd, "decode", mark), f"D's log does not say what was wrong ({why!r})"
     deadline = time.monotonic() + 15
     while metric(metrics(pd.decode_url), "pdserve:kv_recomputed_total") <= before:
         assert time.monotonic() < deadline, "the recompute was not counted"
@@ -138,9 +136,10 @@ def test_forged_or_unknown_transfer_is_recomputed_never_wrong(pd):
     """A D leg whose transfer P never had: READ - blocks P never held for that id; WRITE - an id
     P never sees. Either way D recomputes within the deadlines: a 200 with D's own tokens."""
     model = model_name(pd)
+    mark = log_marks(pd)
     prompt = list(range(20, 200))
     params = {"do_remote_prefill": True, "transfer_id": "tx-forged", "remote_host": "127.0.0.1",
-              "remote_handshake_port": PORTS[pd.mode] + 5, "remote_notify_port": PORTS[pd.mode] + 6}
+              "remote_handshake_port": pd.port + 5, "remote_notify_port": pd.port + 6}
     if pd.mode == "read":
         params["remote_block_ids"] = [1, 2]
     started = time.monotonic()
@@ -154,22 +153,25 @@ def test_forged_or_unknown_transfer_is_recomputed_never_wrong(pd):
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == _plain_text(pd, prompt)
     expected = "prompt_hash" if pd.mode == "read" else "timed out"
-    assert expected in _log(pd, "decode")
+    assert expected in _log(pd, "decode", mark)
     wait_idle(pd.decode_url, timeout=30)
 
 
 def test_unknown_transfer_ids_and_garbage_control_messages_are_rejected(pd, reference):
+    mark = log_marks(pd)
+    urls = (pd.prefill_url, pd.decode_url)
+    rejected_before = [metric(metrics(url), "pdserve:control_messages_rejected_total") for url in urls]
     codec = Codec(load_secret(secret_file()), "test-peer")
     with Client(codec) as client:
-        for port in (PORTS[pd.mode] + 6, PORTS[pd.mode] + 8):  # P's and D's notify ports
+        for port in (pd.port + 6, pd.port + 8):  # P's and D's notify ports
             client.send("127.0.0.1", port, WriteDone("tx-unknown", True))
             client.send("127.0.0.1", port, Release("tx-unknown"))
-        refused = client.request("127.0.0.1", PORTS[pd.mode] + 5,
+        refused = client.request("127.0.0.1", pd.port + 5,
                                  HandshakeRequest("test-peer", {"block_size": 64}), timeout_s=10)
     assert isinstance(refused, HandshakeRefused) and "block_size" in refused.reason
     context = zmq.Context()
     try:
-        for port in (PORTS[pd.mode] + 5, PORTS[pd.mode] + 8):
+        for port in (pd.port + 5, pd.port + 8):
             sock = context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 2000)  # deliver before close
             sock.connect(f"tcp://127.0.0.1:{port}")
@@ -183,8 +185,9 @@ def test_unknown_transfer_ids_and_garbage_control_messages_are_rejected(pd, refe
     # both instances keep serving, correctly
     output = greedy(pd.endpoint, pd, PROMPTS[:4])
     assert compare_greedy(reference[:4], output).ok
-    assert "rejected a message" in _log(pd, "decode") and "rejected a message" in _log(pd, "prefill")
-    rejected = [metric(metrics(url), "pdserve:control_messages_rejected_total") for url in (pd.prefill_url, pd.decode_url)]
+    assert "rejected a message" in _log(pd, "decode", mark) and "rejected a message" in _log(pd, "prefill", mark)
+    rejected = [metric(metrics(url), "pdserve:control_messages_rejected_total") - before
+                for url, before in zip(urls, rejected_before)]
     assert all(count >= 2 for count in rejected), rejected
 
 
@@ -279,7 +282,7 @@ def test_prefill_killed_before_decode_has_the_kv(pd, reference):
         # D announces its blocks to a P that is dead
         os.killpg(prefill.pid, signal.SIGKILL)
         params = {"do_remote_prefill": True, "transfer_id": "tx-kill-p", "remote_host": "127.0.0.1",
-                  "remote_handshake_port": PORTS["write"] + 5, "remote_notify_port": PORTS["write"] + 6}
+                  "remote_handshake_port": pd.port + 5, "remote_notify_port": pd.port + 6}
     time.sleep(1.0)
     started = time.monotonic()
     response = requests.post(f"{pd.decode_url}/v1/completions", timeout=120, json={
@@ -299,5 +302,12 @@ def test_prefill_killed_before_decode_has_the_kv(pd, reference):
     assert compare_greedy(reference[:3], plain).ok
 
 
-def _log(cluster, name: str) -> str:
-    return cluster.log_path(name).read_text(errors="replace")
+def log_marks(cluster) -> dict[str, int]:
+    """Where each instance's log ends now: what a test finds after it, the test caused."""
+    return {name: cluster.log_path(name).stat().st_size for name in ("prefill", "decode")}
+
+
+def _log(cluster, name: str, since: dict[str, int] | None = None) -> str:
+    with open(cluster.log_path(name), "rb") as f:
+        f.seek((since or {}).get(name, 0))
+        return f.read().decode(errors="replace")

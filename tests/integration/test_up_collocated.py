@@ -1,24 +1,25 @@
-"""`pdserve up --mode collocated`: serving, the greedy reference for other modes, the noise floor."""
+"""`pdserve up --mode collocated` (the session's collocated reference, which every PD test compares
+against): serving, the greedy reference for other modes, the noise floor."""
 
 import pytest
 
 from pdserve.compare import compare_greedy, fetch_greedy
-from pdserve.launch import UpOptions
-from tests.integration.conftest import PROMPTS, check_serving, launched, requests_served
+from tests.integration.conftest import PROMPTS, check_serving, requests_served
+from tests.integration.pd_helpers import reference_server
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with launched(UpOptions(mode="collocated", port=18200, enforce_eager=True, prefix_caching=False)) as c:
-        yield c
+def cluster(greedy_reference):
+    return reference_server(greedy_reference)
 
 
 def test_serves_completions_and_chat_streaming_and_not(cluster):
+    before = requests_served(cluster.instance_urls["vllm"])
     check_serving(cluster)
-    assert requests_served(cluster.instance_urls["vllm"]) >= 4
+    assert requests_served(cluster.instance_urls["vllm"]) >= before + 4
 
 
 def test_greedy_reference_and_noise_floor(cluster, greedy_reference):

@@ -5,6 +5,7 @@ import pytest
 from pdserve.compare import compare_greedy, fetch_greedy
 from pdserve.launch import UpOptions
 from tests.integration.conftest import PROMPTS, check_serving, launched, requests_served
+from tests.integration.pd_helpers import reference_server
 from tests.integration.test_up_collocated import MAX_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -18,10 +19,9 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(greedy_reference):
-    """The collocated run's greedy output (from test_up_collocated, or a fresh launch when run alone)."""
+    """The session's collocated reference's greedy output (from test_up_collocated, or computed now)."""
     if "collocated" not in greedy_reference:
-        with launched(UpOptions(mode="collocated", port=18210, enforce_eager=True, prefix_caching=False)) as c:
-            greedy_reference["collocated"] = fetch_greedy(c.endpoint, PROMPTS, MAX_TOKENS)
+        greedy_reference["collocated"] = fetch_greedy(reference_server(greedy_reference).endpoint, PROMPTS, MAX_TOKENS)
     return greedy_reference["collocated"]
 
 
