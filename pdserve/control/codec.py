@@ -21,10 +21,12 @@ import threading
 import time
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass
 
 import msgpack
 
+from pdserve.control.limits import MAX_FRAME_BYTES
 from pdserve.control.messages import MESSAGE_TYPES, field_types, tag_of
 from pdserve.control.replay import ReplayCache
 from pdserve.errors import AuthenticationError, FencedError, ProtocolError
@@ -32,11 +34,18 @@ from pdserve.errors import AuthenticationError, FencedError, ProtocolError
 VERSION = 2
 MAC_BYTES = 32
 NONCE_BYTES = 16
-# The largest legitimate frame, a handshake reply, holds a few hundred region and layer entries
-# (tens of KiB); the endpoints also make ZMQ drop any bigger frame before buffering it.
-MAX_FRAME_BYTES = 1024 * 1024
 MAX_ID_CHARS = 256  # sender and recipient identities
 _ENVELOPE_KEYS = frozenset({"v", "type", "sender", "to", "ts", "nonce", "payload"})
+
+
+class ClockSkewError(AuthenticationError):
+    """An authentic frame (its MAC checked) whose timestamp is outside the skew window: the sender's
+    clock and ours are `offset_s` apart (sender's minus ours, as measured on arrival)."""
+
+    def __init__(self, message: str, sender: str, offset_s: float):
+        super().__init__(message)
+        self.sender = sender
+        self.offset_s = offset_s
 
 
 @dataclass(frozen=True)
@@ -57,16 +66,19 @@ def is_addressed(cls) -> bool:
 class Codec:
     """Encodes and authenticates messages for one sender; decodes and verifies anyone's.
 
-    Thread-safe. Every process of a deployment shares `secret`; `sender_id` names this end.
+    Thread-safe. Every process of a deployment shares `secret`; `sender_id` names this end; `clock`
+    gives the time stamped on frames and compared with theirs (the wall clock).
     """
 
-    def __init__(self, secret: bytes, sender_id: str, max_skew_s: float = 30.0, max_nonces: int = 100_000):
+    def __init__(self, secret: bytes, sender_id: str, max_skew_s: float = 30.0, max_nonces: int = 100_000,
+                 clock: Callable[[], float] | None = None):
         if not secret:
             raise ValueError("the control-plane secret must not be empty")
         if not isinstance(sender_id, str) or not 0 < len(sender_id) <= MAX_ID_CHARS:
             raise ValueError(f"sender_id must be 1..{MAX_ID_CHARS} characters, got {sender_id!r}")
         self.sender_id = sender_id
         self.max_skew_s = max_skew_s
+        self._clock = clock or _wall_clock
         self._secret = bytes(secret)
         self._replay = ReplayCache(max_nonces)
         self._lock = threading.Lock()
@@ -84,7 +96,7 @@ class Codec:
             "type": tag,
             "sender": self.sender_id,
             "to": recipient,
-            "ts": time.time(),
+            "ts": self._clock(),
             "nonce": os.urandom(NONCE_BYTES),
             "payload": payload,
         }
@@ -107,8 +119,8 @@ class Codec:
         if not hmac.compare_digest(mac, hmac.new(self._secret, body, hashlib.sha256).digest()):
             raise AuthenticationError("bad MAC: the message was tampered with or signed with another secret")
         envelope = self._unpack(body)
-        now = time.time()
-        self._check_skew(envelope["ts"], now)
+        now = self._clock()
+        self._check_skew(envelope["ts"], now, envelope["sender"])
         cls = MESSAGE_TYPES.get(envelope["type"])
         if cls is None:
             raise ProtocolError(f"unknown message type {envelope['type']!r}")
@@ -140,21 +152,27 @@ class Codec:
             raise ProtocolError(f"envelope recipient longer than {MAX_ID_CHARS} characters")
         return envelope
 
-    def _check_skew(self, ts: int | float, now: float) -> None:
+    def _check_skew(self, ts: int | float, now: float, sender: str) -> None:
         # A NaN compares false with everything: it would pass both bounds below and never leave
         # the replay cache.
         if not _finite(ts):
             raise AuthenticationError(f"message timestamp {ts!r} is not a finite time")
         if ts < now - self.max_skew_s:
-            raise AuthenticationError(f"stale message: sent {now - ts:.1f} s ago (max skew {self.max_skew_s:g} s)")
+            raise ClockSkewError(f"stale message: sent {now - ts:.1f} s ago (max skew {self.max_skew_s:g} s)",
+                                 sender, ts - now)
         if ts > now + self.max_skew_s:
-            raise AuthenticationError(f"message from the future: {ts - now:.1f} s ahead (max skew {self.max_skew_s:g} s)")
+            raise ClockSkewError(f"message from the future: {ts - now:.1f} s ahead (max skew {self.max_skew_s:g} s)",
+                                 sender, ts - now)
 
     def _check_recipient(self, cls, recipient: str) -> None:
         if recipient and recipient != self.sender_id:
             raise FencedError(f"{cls.TAG} addressed to {recipient!r}, not to this incarnation ({self.sender_id!r})")
         if not recipient and is_addressed(cls):
             raise FencedError(f"{cls.TAG} names no recipient, but this message type must")
+
+
+def _wall_clock() -> float:
+    return time.time()
 
 
 def _build(cls, payload: dict):

@@ -2,8 +2,10 @@
 
 Every frame goes through the Codec: the server drops (and counts) anything that fails to decode
 and keeps serving; a handler may answer a request with a reply message, addressed to the
-request's sender. Every socket that receives refuses frames above the codec's MAX_FRAME_BYTES
-(ZMQ drops the connection before buffering such a frame).
+request's sender. Every socket refuses frames above the bound of what it receives (limits.py:
+ZMQ drops the connection before buffering such a frame), and queues only what its traffic needs.
+A server answers an authentic frame refused for its timestamp with a ClockSkew notice, which the
+client reads after its next send and logs with the measured offset (clock_skew.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,19 @@ from dataclasses import dataclass
 
 import zmq
 
-from pdserve.control.codec import MAX_FRAME_BYTES, Codec, Envelope
+from pdserve.control.clock_skew import SkewNotices
+from pdserve.control.codec import ClockSkewError, Codec, Envelope
+from pdserve.control.limits import (
+    EXCHANGE_QUEUE,
+    MAX_FRAME_BYTES,
+    MAX_NOTICE_FRAME_BYTES,
+    MAX_REQUEST_FRAME_BYTES,
+    NOTICE_QUEUE,
+    SEND_QUEUE,
+    SERVER_RECEIVE_QUEUE,
+    SERVER_REPLY_QUEUE,
+)
+from pdserve.control.messages import ClockSkew
 from pdserve.control.ratelimit import RateLimitedWarnings
 from pdserve.errors import AddressInUseError, ConfigError, HandshakeError, PDServeError, TransferError
 
@@ -32,7 +46,6 @@ MAX_CACHED_SOCKETS = 256
 IDLE_SOCKET_S = 300.0
 _POLL_MS = 50
 _JOIN_DEADLINE_S = 2.0
-_SEND_HWM = 1000
 _LINGER_MS = 200
 _exchanges = itertools.count()  # names each request's connection monitor
 
@@ -48,11 +61,13 @@ class Server:
     free port, see `.port`) and serves on a daemon thread until `close()`. `handler` runs on that
     thread; what it returns (a message or None) is sent back to the sender, addressed to it.
     Rejected frames are counted exactly (`num_rejected`) and logged rate-limited
-    (`warn_burst` in full per `warn_interval_s`, then one summary line).
+    (`warn_burst` in full per `warn_interval_s`, then one summary line); an authentic one refused
+    for its timestamp is answered with a ClockSkew notice. ZMQ drops a connection that sends a
+    frame above `max_frame_bytes` (the largest message this server's handler takes) unread.
     """
 
     def __init__(self, bind_host: str, port: int, codec: Codec, handler: Handler, name: str = "control",
-                 warn_burst: int = 5, warn_interval_s: float = 10.0):
+                 warn_burst: int = 5, warn_interval_s: float = 10.0, max_frame_bytes: int = MAX_REQUEST_FRAME_BYTES):
         if bind_host in ("0.0.0.0", "::", "*", ""):
             logger.warning("%s server binds every interface (%r) as asked", name, bind_host)
         self.name = name
@@ -67,7 +82,9 @@ class Server:
         self._socket.setsockopt(zmq.LINGER, 0)
         # No ROUTER_HANDOVER: a connection claiming a known routing id must not take over the
         # replies meant for the first one. Each request uses a fresh DEALER, so none needs it.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, min(max_frame_bytes, MAX_FRAME_BYTES))
+        self._socket.setsockopt(zmq.RCVHWM, SERVER_RECEIVE_QUEUE)
+        self._socket.setsockopt(zmq.SNDHWM, SERVER_REPLY_QUEUE)
         if ":" in bind_host:
             self._socket.setsockopt(zmq.IPV6, 1)
         try:
@@ -128,6 +145,10 @@ class Server:
         identity, frame = frames
         try:
             envelope = self.codec.decode(frame.bytes)
+        except ClockSkewError as e:
+            self._reject(peer, type(e).__name__, f"{e} (sender {e.sender!r})")
+            self._send(identity, ClockSkew(e.offset_s), e.sender)
+            return
         except PDServeError as e:
             self._reject(peer, type(e).__name__, str(e))
             return
@@ -138,18 +159,20 @@ class Server:
             logger.exception("%s server: handler failed on %s from %s", self.name, type(envelope.message).__name__, envelope.sender)
             return
         self.num_handled += 1
-        if reply is None:
-            return
-        try:
-            frame = self.codec.encode(reply, recipient=envelope.sender)
-        except PDServeError as e:
+        if reply is not None and not self._send(identity, reply, envelope.sender):
             self.num_handler_errors += 1
-            logger.error("%s server: cannot encode the %s reply to %s: %s", self.name, type(reply).__name__, envelope.sender, e)
-            return
+
+    def _send(self, identity: zmq.Frame, reply, recipient: str) -> bool:
+        try:
+            frame = self.codec.encode(reply, recipient=recipient)
+        except PDServeError as e:
+            logger.error("%s server: cannot encode the %s reply to %s: %s", self.name, type(reply).__name__, recipient, e)
+            return False
         try:
             self._socket.send_multipart([identity.bytes, frame], zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            logger.warning("%s server: cannot reply to %s: %s", self.name, envelope.sender, e)
+            logger.warning("%s server: cannot reply to %s: %s", self.name, recipient, e)
+        return True
 
     def _reject(self, peer: str, reason: str, detail: str) -> None:
         self.num_rejected += 1
@@ -166,8 +189,10 @@ class Client:
     """Sends control messages: `request` waits for a reply, `send` is fire-and-forget.
 
     `send` keeps one DEALER per peer address, least recently used first; sockets idle for longer
-    than `max_idle_s` are closed on the next send, and at most `max_sockets` stay open. Thread-safe
-    (one lock around the cached sockets). `close()` closes every socket.
+    than `max_idle_s` are closed on the next send, and at most `max_sockets` stay open. A peer that
+    refuses our frames for their timestamps says so after the next send to it (logged, with the
+    offset, in `skew.offsets`). Thread-safe (one lock around the cached sockets). `close()` closes
+    every socket.
     """
 
     def __init__(self, codec: Codec, max_sockets: int = MAX_CACHED_SOCKETS, max_idle_s: float = IDLE_SOCKET_S):
@@ -176,6 +201,7 @@ class Client:
         self.max_idle_s = max_idle_s
         self._context = zmq.Context()
         self._senders: OrderedDict[tuple[str, int], _CachedSocket] = OrderedDict()
+        self.skew = SkewNotices(codec)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -208,6 +234,8 @@ class Client:
         try:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            socket.setsockopt(zmq.SNDHWM, EXCHANGE_QUEUE)
+            socket.setsockopt(zmq.RCVHWM, EXCHANGE_QUEUE)
             if ":" in host:
                 socket.setsockopt(zmq.IPV6, 1)
             socket.connect(tcp_endpoint(host, port))
@@ -247,11 +275,12 @@ class Client:
                 socket.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 raise TransferError(
-                    f"cannot send {type(msg).__name__} to {host}:{port}: {_SEND_HWM} messages already queued "
+                    f"cannot send {type(msg).__name__} to {host}:{port}: {SEND_QUEUE} messages already queued "
                     "(peer gone or too slow)"
                 ) from None
             except zmq.ZMQError as e:
                 raise TransferError(f"cannot send {type(msg).__name__} to {host}:{port}: {e}") from None
+            self.skew.read(socket, f"peer {host}:{port}", "this instance's control messages")
 
     def forget(self, host: str, port: int) -> bool:
         """Close the cached socket to `host:port`, dropping what is still queued there (the peer
@@ -308,9 +337,9 @@ class Client:
         socket = self._context.socket(zmq.DEALER)
         try:
             socket.setsockopt(zmq.LINGER, _LINGER_MS)
-            socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
-            socket.setsockopt(zmq.RCVHWM, 16)
-            socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            socket.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+            socket.setsockopt(zmq.RCVHWM, NOTICE_QUEUE)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_FRAME_BYTES)
             if ":" in host:
                 socket.setsockopt(zmq.IPV6, 1)
             socket.connect(tcp_endpoint(host, port))

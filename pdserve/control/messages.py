@@ -55,7 +55,12 @@ def field_types(cls) -> dict[str, object]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-MAX_BLOCKS = 1 << 20  # block ids per message: far above any real prompt, far below a memory attack
+# Block ids per message: a 1M-token context (pdserve up's longest --max-model-len) at 16-token
+# blocks (vLLM's default and its smallest on CPU); each id below MAX_BLOCK_ID (5 bytes on the wire).
+MAX_BLOCKS = 1 << 16
+MAX_BLOCK_ID = 1 << 32
+# Layers and KV regions in a handshake reply: several times the deepest model vLLM serves (126 layers).
+MAX_LAYERS = 1024
 MAX_TEXT = 4096
 MAX_WRITE_FOR_S = 3600.0  # the longest write window D may grant (seconds)
 MAX_IDENTITY = 256  # an incarnation identity: the codec's limit for senders and recipients
@@ -77,7 +82,8 @@ def _check_transfer_id(msg) -> None:
 
 def _check_block_ids(msg, block_ids: list[int]) -> None:
     check(len(block_ids) <= MAX_BLOCKS, type(msg), f"{len(block_ids)} block ids (max {MAX_BLOCKS})")
-    check(all(0 <= b < 1 << 40 for b in block_ids), type(msg), "block ids must be non-negative block numbers")
+    check(all(0 <= b < MAX_BLOCK_ID for b in block_ids), type(msg),
+          f"block ids must be block numbers 0..{MAX_BLOCK_ID - 1}")
 
 
 def _check_digest(msg, digest: str, allow_empty: bool = False) -> None:
@@ -147,7 +153,8 @@ class HandshakeReply:
         check(0 < len(self.engine_id) <= MAX_IDENTITY, type(self), "engine_id must be 1..256 characters")
         _check_text(self, "boot_id", self.boot_id)
         check(0 < self.pid < 1 << 32 and 0 <= self.start_time < 1 << 62, type(self), "pid/start_time out of range")
-        check(len(self.regions) <= 4096 and len(self.layers) <= 4096, type(self), "too many regions or layers")
+        check(len(self.regions) <= MAX_LAYERS and len(self.layers) <= MAX_LAYERS, type(self),
+              f"{len(self.regions)} regions, {len(self.layers)} layers (max {MAX_LAYERS} each)")
         check(len(self.nixl_metadata) <= MAX_NIXL_METADATA, type(self),
                f"nixl_metadata of {len(self.nixl_metadata)} bytes (max {MAX_NIXL_METADATA})")
         _check_host_proof(self)
@@ -272,3 +279,17 @@ class ReadAck:
     def validate(self) -> None:
         _check_transfer_id(self)
         _check_text(self, "error", self.error)
+
+
+@message("clock_skew")
+@dataclass(frozen=True)
+class ClockSkew:
+    """Server -> sender of an authentic frame refused for its timestamp: this clock and the sender's
+    are `offset_s` apart (sender's minus ours), more than the codec's skew window. The sender's codec
+    refuses this notice as skewed too, and so measures the offset itself (codec.ClockSkewError):
+    without it, an instance whose clock is off would never learn why it is not served."""
+
+    offset_s: float
+
+    def validate(self) -> None:
+        check(math.isfinite(self.offset_s), type(self), "offset_s must be finite")

@@ -8,7 +8,9 @@ last message, so we re-send every `interval_s` from our own thread.
 That socket authenticates nothing, so instances never talk to it: they send a `Registration`
 through the control codec (HMAC over the deployment's secret, timestamp, nonce) to pdserve's
 registrar on the router's host (pdserve/launch/registrar/), which checks it and hands
-`router_map()` to the router's socket, bound to loopback there.
+`router_map()` to the router's socket, bound to loopback there. A registrar that refuses our
+registrations because the two clocks differ by more than the skew window says so (a ClockSkew
+notice), and the heartbeat logs it here with the measured offset (clock_skew.py).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve.control.address import check_host, parse_zmq_address
+from pdserve.control.clock_skew import SkewNotices
 from pdserve.control.codec import Codec
 from pdserve.control.endpoint import tcp_endpoint
+from pdserve.control.limits import MAX_NOTICE_FRAME_BYTES, NOTICE_QUEUE
 from pdserve.control.messages import check, message
 from pdserve.errors import ProtocolError
 
@@ -74,7 +78,8 @@ class RegistrationHeartbeat:
     from a daemon thread, starting at once, until `stop()`; every beat is a fresh frame (its own
     timestamp and nonce). A beat that cannot be queued (registrar down) is dropped: the next one
     tries again. With `when`, a beat is sent only while `when()` is true (the router forgets the
-    instance ~5 s after the last one)."""
+    instance ~5 s after the last one). A registrar that refuses the beats for the clocks' skew says
+    so; it is logged, and the offset kept in `clock_offset_s`."""
 
     def __init__(self, registrar_host: str, registrar_port: int, registration: Registration, codec: Codec,
                  interval_s: float = 1.0, when: Callable[[], bool] | None = None):
@@ -86,11 +91,21 @@ class RegistrationHeartbeat:
         self.interval_s = interval_s
         self.num_sent = 0
         self._codec = codec
+        self._skew = SkewNotices(codec)
         self._when = when
         self._context = zmq.Context()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-registration", daemon=True)
         self._thread.start()
+
+    @property
+    def clock_offset_s(self) -> float | None:
+        """The registrar's clock minus ours, when it refused a beat for the skew; else None."""
+        return self._skew.offsets.get(self._peer)
+
+    @property
+    def _peer(self) -> str:
+        return f"the registrar at {self.registrar.removeprefix('tcp://')}"
 
     def stop(self) -> None:
         """Stop beating, join the thread (with a deadline), close socket and context. Idempotent."""
@@ -107,6 +122,8 @@ class RegistrationHeartbeat:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 4)
+        socket.setsockopt(zmq.RCVHWM, NOTICE_QUEUE)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_FRAME_BYTES)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing before the registrar answers: no stale beats
         if self.registrar.startswith("tcp://["):
             socket.setsockopt(zmq.IPV6, 1)
@@ -120,6 +137,7 @@ class RegistrationHeartbeat:
                     except zmq.Again:
                         logger.debug("registration to %s not queued (registrar unreachable?)", self.registrar)
                 self._stop.wait(self.interval_s)
+                self._skew.read(socket, self._peer, "this instance's registrations (the router will not route to it)")
         finally:
             socket.close(0)
 

@@ -9,6 +9,7 @@ import zmq
 
 from pdserve.control.codec import Codec
 from pdserve.control.endpoint import Server, tcp_endpoint
+from pdserve.control.limits import MAX_REGISTRATION_FRAME_BYTES
 from pdserve.control.registration import Registration
 from pdserve.launch.registrar.spec import LOOPBACK
 
@@ -42,7 +43,7 @@ class Registrar:
         self._router.connect(tcp_endpoint(LOOPBACK, router_port))
         try:
             self._server = Server(listen_host, listen_port, Codec(secret, SENDER_ID, max_skew_s), self._forward,
-                                  name="registrar")
+                                  name="registrar", max_frame_bytes=MAX_REGISTRATION_FRAME_BYTES)
         except BaseException:
             self._router.close(0)
             self._context.term()

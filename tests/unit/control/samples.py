@@ -58,6 +58,7 @@ SAMPLES = {
     "transfer_mode": "WRITE",
     "tp_size": 1,
     "dp_size": 1,
+    "offset_s": 42.5,
 }
 
 
