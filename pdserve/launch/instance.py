@@ -13,6 +13,17 @@ from pdserve.launch.process import ProcessSpec
 from pdserve.launch.shm_namespace import confine, tmpfs_bytes
 
 HOST = "127.0.0.1"
+SERVED_NAME_FLAG = "--served-model-name"
+
+
+def served_name_args(model: str) -> tuple[str, ...]:
+    """vLLM's flag that serves a built-in model (tiny, small, ...) under the name given to `--model`,
+    as `vllm serve` names a model by its argument; vLLM would name it by the directory it was built
+    in. A directory or a Hugging Face id needs none. Placed before the user's flags, so that a
+    `--served-model-name` among those wins."""
+    from pdserve.model.archs import builtin_models
+
+    return (SERVED_NAME_FLAG, model) if model in builtin_models() else ()
 
 
 @dataclass(frozen=True)

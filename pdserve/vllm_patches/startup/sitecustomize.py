@@ -1,0 +1,30 @@
+"""Run by Python at the start of every process a vLLM started through pdserve's vLLM entry spawns
+(pdserve.vllm_cli puts this directory first on their PYTHONPATH): vLLM inspects a model in a
+subprocess of its own (`python -m vllm.model_executor.models.registry`), which imports transformers,
+and with it torchvision, before any plugin could run. Hides the torch extension packages that do not
+load with this torch (pdserve.vllm_patches.torch_extensions), then runs the `sitecustomize` this one
+shadows, if there is one."""
+
+import importlib
+import sys
+
+from pdserve.vllm_patches.startup import DIRECTORY
+from pdserve.vllm_patches.torch_extensions import hide_broken
+
+
+def _run_the_shadowed_one() -> None:
+    ours = sys.modules.pop("sitecustomize", None)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if str(p) != str(DIRECTORY)]
+    try:
+        importlib.import_module("sitecustomize")
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+
+
+hide_broken(quiet=True)
+_run_the_shadowed_one()
