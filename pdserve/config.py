@@ -22,6 +22,7 @@ SECRET_FILE_ENV = "PDSERVE_SECRET_FILE"
 FAULT_PLAN_ENV = "PDSERVE_FAULT_PLAN"  # test-only: path of a fault plan (pdserve/faults)
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 TRANSPORTS = ("auto", "shm", "nixl", "gpu-ipc")  # auto: shm (gpu-ipc for KV on a GPU) for a peer proven on this host, NIXL otherwise
+KV_VERIFY = ("digest", "off")  # digest: D checks a per-block CRC-32 of what P sent (connector/kv_digest.py)
 KV_BUFFER_DEVICES = ("cpu", "cuda")  # where KV moves from: host memory, or the GPU it lives on
 _HOST_NAME = re.compile(r"^(?=.*[A-Za-z])[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
@@ -61,6 +62,7 @@ class ConnectorConfig:
     placement: PlacementConfig = PlacementConfig()  # per-request placement (pdserve/placement/)
     kv_buffer_device: str = "cpu"  # cpu: KV on a GPU moves through a pinned host mirror; cuda: from the GPU
     kv_device: str = "cpu"  # where vLLM keeps the KV cache (its platform's device type)
+    kv_verify: str = "off"  # "digest": every transfer's blocks checked against P's digest (kv_digest.py)
 
     @property
     def host_staging(self) -> bool:
@@ -81,7 +83,7 @@ _KNOWN_KEYS = {
     "handshake_port", "notify_port", "read_mode", "host_ip", "proxy_ip", "proxy_ping_port",
     "http_port", "transfer_timeout", "defer_timeout", "handshake_timeout", "release_grace",
     "heartbeat_interval", "transport", "secret_file", "test_corrupt_transfers", "allowed_peers",
-    "peer_idle_timeout", "load_failure_policy", "test_fault_plan", "kv_buffer_device", *PLACEMENT_KEYS,
+    "peer_idle_timeout", "load_failure_policy", "test_fault_plan", "kv_buffer_device", "kv_verify", *PLACEMENT_KEYS,
 }
 
 
@@ -198,6 +200,7 @@ def parse_connector_config(
         placement=placement,
         kv_buffer_device=kv_buffer_device,
         kv_device=kv_device,
+        kv_verify=_kv_verify(extra.get("kv_verify"), kv_buffer_device, kv_device),
     )
 
 
@@ -205,6 +208,22 @@ def _policy(value: Any) -> str:
     if value not in LOAD_FAILURE_POLICIES:
         raise ConfigError(f"kv_connector_extra_config.load_failure_policy must be one of "
                           f"{', '.join(LOAD_FAILURE_POLICIES)}, got {value!r}")
+    return value
+
+
+def _kv_verify(value: Any, kv_buffer_device: str, kv_device: str) -> str:
+    """`digest` by default where the KV moves from host memory (hashing it costs about 1 % of a
+    prompt's TTFT, docs/configuration.md); KV moved straight from GPU memory is not hashed yet, so
+    there the default is `off` and `digest` is refused."""
+    from_host = kv_device == "cpu" or kv_buffer_device == "cpu"
+    if value is None:
+        return "digest" if from_host else "off"
+    if value not in KV_VERIFY:
+        raise ConfigError(f"kv_connector_extra_config.kv_verify must be one of {', '.join(KV_VERIFY)}, got {value!r}")
+    if value == "digest" and not from_host:
+        raise ConfigError("kv_connector_extra_config.kv_verify digest hashes KV in host memory, but the KV cache is on "
+                          f"{kv_device} and kv_buffer_device is cuda: use kv_buffer_device cpu (host staging) or "
+                          "kv_verify off")
     return value
 
 

@@ -43,6 +43,7 @@ from pdserve.connector.transfers.fanout import Fanout
 from pdserve.connector.transfers.messenger import Messenger, Notifier
 from pdserve.connector.transfers.placement_link import PLACEMENT_MESSAGES, PlacementLink
 from pdserve.connector.transfers.records import TransferRecords
+from pdserve.connector.transfers.verify import Verifier
 from pdserve.connector.transfers.write_send import RELEASED_BY_DECODE
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
@@ -82,6 +83,7 @@ class TransferEngine:
         self._next_liveness = 0.0
         self.placement = PlacementLink(config, self.messenger, self._peers, self._records)
         self.stats = TransferStats()
+        self.verifier = Verifier(self, config.kv_verify == "digest")
 
     # ---- inputs ----------------------------------------------------------------------------
 
@@ -119,13 +121,14 @@ class TransferEngine:
             for name in self._records.early_subs(spec.transfer_id) + self._records.fenced_subs(spec.transfer_id):
                 self.fanout.split_hold(name)
 
-    def replace_hold(self, parent: Transfer, ids: list[str]) -> None:
-        """P READ: hold `parent`'s blocks as one sub-transfer per D rank that reads (or releases) them."""
+    def replace_hold(self, parent: Transfer, subs: list[tuple[str, Slicing | None]]) -> None:
+        """P READ: hold `parent`'s blocks as one sub-transfer per D rank that reads (or releases)
+        them, each with the heads that rank reads."""
         del self._transfers[parent.transfer_id]
-        for tid in ids:
+        for tid, slicing in subs:
             self._admit(Transfer(tid, parent.request_id, Side.SEND, TransferMode.READ, None, parent.local_block_ids,
-                                 parent.deadline, prompt_hash=parent.prompt_hash, group=parent.transfer_id,
-                                 created_at=parent.created_at))
+                                 parent.deadline, prompt_hash=parent.prompt_hash, slicing=slicing,
+                                 group=parent.transfer_id, created_at=parent.created_at))
 
     def add_recv(self, spec: RecvSpec) -> None:
         if spec.error:
@@ -220,6 +223,14 @@ class TransferEngine:
         return len(self._peers)
 
     @property
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
+
+    @property
     def num_layers(self) -> int:
         return len(self._layout.layers)
 
@@ -295,6 +306,8 @@ class TransferEngine:
         except PDServeError as exc:
             self.stop(t, str(exc), tell_peer=True)
             return
+        if direction is Direction.WRITE:
+            self.verifier.hash_sent(t, layers)
         t.start_copying()
         handle = self._transport.submit(peer.key, direction, batch, not_after=t.copies.not_after)
         t.copies.handles.append(handle)

@@ -76,7 +76,9 @@ COUNTERS = (
     ("num_fenced", "pdserve:kv_transfers_fenced", "KV transfers failed because their peer incarnation restarted or died."),
     ("num_refused", "pdserve:kv_transfers_refused", "KV transfers refused: peer not in allowed_peers."),
     ("num_recomputed", "pdserve:kv_recomputed", "Requests whose KV did not arrive and that decode prefilled itself."),
+    ("digest_seconds", "pdserve:kv_digest_seconds", "Seconds spent hashing KV blocks for kv_verify digest."),
 )
+DIGEST_MODES = ("write", "read")
 # (key, name, documentation, buckets): one observation per list item
 HISTOGRAMS = (
     ("seconds", "pdserve:kv_transfer_duration_seconds",
@@ -107,7 +109,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
     rejected/fenced/refused/recomputed counts. Histograms, one observation per completed transfer:
     `pdserve:kv_transfer_duration_seconds` (announce/hold to completion) and
     `pdserve:kv_transfer_size_bytes`; one per answered handshake this instance started:
-    `pdserve:kv_handshake_duration_seconds`. Placement (pdserve/placement/): on D,
+    `pdserve:kv_handshake_duration_seconds`. With `kv_verify digest`,
+    `pdserve:kv_digest_mismatch_total{transport,mode}` (D: transfers whose KV failed its digest,
+    none served) and `pdserve:kv_digest_seconds_total` (time spent hashing). Placement (pdserve/placement/): on D,
     `pdserve:placements_total{placement=local|remote, reason=...}`, one per decision; on P,
     `pdserve:prefill_queued_tokens`, the prompt tokens it last published as queued, and, with
     `serve_decode`, `pdserve:placements_total{placement="whole",reason="serve_decode"}`, one per
@@ -149,6 +153,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
         self._chunk_steps = {idx: {b: chunk_steps.labels(*values, b) for b in CHUNK_STEP_BOUNDS}
                              for idx, values in per_engine_labelvalues.items()}
         self._peers_attached = _per_transport(self._counter_cls, labelnames, per_engine_labelvalues)
+        self._mismatches = _digest_mismatches(self._counter_cls, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for key, metric in self._counters.items():
@@ -163,6 +168,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 metric[engine_idx].set(values[-1])
         for transport in transfer_stats_data.get("peers_attached", []):
             self._peers_attached[engine_idx][transport].inc()
+        for label in transfer_stats_data.get("digest_mismatches", []):
+            child = self._mismatches[engine_idx].get(label)
+            if child is not None:
+                child.inc()
         for label in transfer_stats_data.get("placements", []):
             self._placement_child(engine_idx, label).inc()
         for bound in transfer_stats_data.get("chunk_steps", []):
@@ -183,4 +192,13 @@ def _per_transport(counter_cls, labelnames, per_engine_labelvalues) -> dict[int,
     metric = counter_cls(name="pdserve:kv_peers_attached", labelnames=[*labelnames, "transport"],
                          documentation="Peer incarnations attached, by the transport that reaches them.")
     return {idx: {t: metric.labels(*values, t) for t in ("shm", "nixl")}
+            for idx, values in per_engine_labelvalues.items()}
+
+
+def _digest_mismatches(counter_cls, labelnames, per_engine_labelvalues) -> dict[int, dict[str, Any]]:
+    """`pdserve:kv_digest_mismatch_total{transport=shm|nixl|gpu-ipc, mode=write|read}`: transfers whose
+    KV failed its digest on this decode instance (none of them served)."""
+    metric = counter_cls(name="pdserve:kv_digest_mismatch", labelnames=[*labelnames, "transport", "mode"],
+                         documentation="KV transfers whose received blocks differed from the prefill's digest.")
+    return {idx: {f"{t}:{m}": metric.labels(*values, t, m) for t in ("shm", "nixl", "gpu-ipc") for m in DIGEST_MODES}
             for idx, values in per_engine_labelvalues.items()}

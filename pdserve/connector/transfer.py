@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from pdserve.config import TransferMode
 from pdserve.connector.incarnation import Incarnation
@@ -33,6 +34,9 @@ from pdserve.connector.ranks import Slicing
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
 from pdserve.transport.base import TransferStatus
+
+if TYPE_CHECKING:
+    from pdserve.connector.kv_digest import BlockDigests
 
 NULL_BLOCK = 0  # vLLM's null block: where a sliding-window group holds no block
 
@@ -127,6 +131,7 @@ class Transfer:
     window: WriteWindow | None = None  # D WRITE, once announced
     slicing: Slicing | None = None  # the heads this rank pair shares, when the ranks hold different ones
     group: str = ""  # the transfer this is a rank pair's sub-transfer of (transfers/fanout.py)
+    digests: BlockDigests | None = None  # P WRITE with kv_verify: the layers hashed as submitted (kv_digest.py)
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
 

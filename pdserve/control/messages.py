@@ -86,6 +86,11 @@ def _check_block_ids(msg, block_ids: list[int]) -> None:
           f"block ids must be block numbers 0..{MAX_BLOCK_ID - 1}")
 
 
+def _check_kv_digest(msg, kv_digest: bytes) -> None:
+    check(len(kv_digest) % 4 == 0 and len(kv_digest) <= 4 * MAX_BLOCKS, type(msg),
+          f"kv_digest must be 4 bytes per block, at most {MAX_BLOCKS} blocks, got {len(kv_digest)} bytes")
+
+
 def _check_digest(msg, digest: str, allow_empty: bool = False) -> None:
     check(bool(_DIGEST.fullmatch(digest)) or (allow_empty and digest == ""), type(msg),
            f"prompt_hash must be 32 lowercase hex digits, got {digest[:40]!r}")
@@ -200,17 +205,20 @@ class RemoteBlocks:
 @dataclass(frozen=True)
 class WriteDone:
     """P -> D (WRITE mode): every block of `transfer_id` was written (ok), or P stopped for good
-    (not ok: failed, cancelled, or released by D) and will not write again."""
+    (not ok: failed, cancelled, or released by D) and will not write again. `kv_digest`: with
+    `kv_verify digest`, a CRC-32 per block of what P sent (connector/kv_digest.py)."""
 
     transfer_id: str
     ok: bool
     error: str = ""
     prompt_hash: str = ""
+    kv_digest: bytes = b""
 
     def validate(self) -> None:
         _check_transfer_id(self)
         _check_text(self, "error", self.error)
         _check_digest(self, self.prompt_hash, allow_empty=not self.ok)
+        _check_kv_digest(self, self.kv_digest)
 
 
 @message("release")
@@ -270,15 +278,17 @@ class ReadDone:
 @message("read_ack")
 @dataclass(frozen=True)
 class ReadAck:
-    """P -> D: the answer to ReadDone."""
+    """P -> D: the answer to ReadDone; `kv_digest` as in WriteDone, of the blocks P held."""
 
     transfer_id: str
     ok: bool
     error: str = ""
+    kv_digest: bytes = b""
 
     def validate(self) -> None:
         _check_transfer_id(self)
         _check_text(self, "error", self.error)
+        _check_kv_digest(self, self.kv_digest)
 
 
 @message("clock_skew")

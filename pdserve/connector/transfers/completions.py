@@ -26,6 +26,8 @@ class TransferStats:
     copy_bytes: int = 0  # bytes this side's transport copied
     num_fenced: int = 0  # transfers failed because their peer incarnation restarted or died
     num_refused: int = 0  # transfers refused because their peer is not in allowed_peers
+    digest_seconds: float = 0.0  # kv_verify: time spent hashing KV blocks (P: what it sends; D: what landed)
+    digest_mismatches: list[str] = field(default_factory=list)  # D: "transport:mode" per transfer that failed its digest
 
     def record(self, t: Transfer) -> None:
         """Count `t`, which has just reached DONE or FAILED."""

@@ -146,10 +146,12 @@ class Fanout:
                            self.ranks.size)
             return None
         pairs = pairs_for(self.ranks, sub.decode_size, local_is_prefill=True)
-        readers = [p.decode for p in pairs] or [coverer(self.ranks, sub.decode_size, self.ranks.rank)]
+        peer_heads = Ranks(0, sub.decode_size, self.ranks.total_heads).local_heads
+        readers = [(p.decode, None if p.heads is None else Slicing(p.heads, self.ranks.local_heads, peer_heads))
+                   for p in pairs] or [(coverer(self.ranks, sub.decode_size, self.ranks.rank), None)]
         self._groups[parent.transfer_id] = Group(parent.request_id, Side.SEND, len(readers))
-        self._engine.replace_hold(parent, [sub_id(parent.transfer_id, self.ranks.rank, self.ranks.size, d,
-                                                  sub.decode_size) for d in readers])
+        self._engine.replace_hold(parent, [(sub_id(parent.transfer_id, self.ranks.rank, self.ranks.size, d,
+                                                   sub.decode_size), slicing) for d, slicing in readers])
         return self._engine.transfer(name)
 
     # ---- endings ---------------------------------------------------------------------------

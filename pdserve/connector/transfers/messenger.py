@@ -76,7 +76,7 @@ class Messenger:
         """The `Release` that asks a peer to let go of `transfer_id`, answered to us."""
         return Release(transfer_id, self._config.host_ip, self._config.notify_port)
 
-    def ack(self, sender: str, message: ReadDone, error: str) -> None:
-        """Answer D's `ReadDone`: ok when `error` is empty."""
+    def ack(self, sender: str, message: ReadDone, error: str, kv_digest: bytes = b"") -> None:
+        """Answer D's `ReadDone`: ok when `error` is empty, with the digest of the held blocks."""
         reply_to = PeerAddress(message.reply_host, 0, message.reply_notify_port)
-        self.notify(reply_to, ReadAck(message.transfer_id, not error, error), sender)
+        self.notify(reply_to, ReadAck(message.transfer_id, not error, error, kv_digest), sender)

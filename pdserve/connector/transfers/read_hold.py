@@ -36,5 +36,5 @@ class ReadHold(LegKind):
                                              f"not {list(message.block_ids)}")
         else:
             t.succeed()
-            self.engine.messenger.ack(sender, message, "")
+            self.engine.messenger.ack(sender, message, "", self.engine.verifier.held(t))
             self.engine.finish(t)

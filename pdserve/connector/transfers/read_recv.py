@@ -55,7 +55,11 @@ class ReadRecv(LegKind):
         if t.state is not TransferState.CONFIRMING:
             return
         if message.ok:
-            t.succeed()
+            mismatch = self.engine.verifier.check(t, message.kv_digest)  # our reads ended
+            if mismatch:
+                t.fail(mismatch)
+            else:
+                t.succeed()
             self.engine.finish(t)
         else:
             self.engine.stop(t, f"prefill did not confirm the KV it held: {message.error}", tell_peer=True)

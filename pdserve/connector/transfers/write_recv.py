@@ -88,6 +88,11 @@ class WriteRecv(LegKind):
         if message.ok and t.window is None:
             t.fail("prefill confirmed a write of blocks decode never announced")
         elif message.ok and not t.stopping and message.prompt_hash == t.prompt_hash:
+            mismatch = self.engine.verifier.check(t, message.kv_digest)  # P's copies ended: nothing lands any more
+            if mismatch:
+                t.fail(mismatch)
+                self.engine.finish(t)
+                return
             t.copies.num_bytes = self.engine.bytes_to_move(t)
             if self.engine.staging is not None:
                 self.engine.land(t)

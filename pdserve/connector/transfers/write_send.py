@@ -48,7 +48,8 @@ class WriteSend(LegKind):
     def copies_settled(self, t: Transfer) -> None:
         if t.remote_block_ids is not None and len(t.copies.layers_submitted) == self.engine.num_layers:
             t.succeed()
-            self.engine.messenger.notify(t.peer, WriteDone(t.transfer_id, True, "", t.prompt_hash), t.link.identity)
+            done = WriteDone(t.transfer_id, True, "", t.prompt_hash, self.engine.verifier.sent(t))
+            self.engine.messenger.notify(t.peer, done, t.link.identity)
             self.engine.finish(t)
 
     def expiry_reason(self, t: Transfer) -> str:

@@ -17,6 +17,7 @@ SAMPLES = {
     "start_time": 123456,
     "boot_id": "0c3b9a3e-5b5e-4b8e-9d1f-5d0b8f1e2a77",
     "nixl_metadata": b"nixl-agent-metadata",
+    "kv_digest": b"\x01\x02\x03\x04" * 3,
     "host_proof": "/proc/4242/fd/7",
     "host_proof_digest": "ab" * 32,
     "reason": "block size differs: 16 vs 32",
