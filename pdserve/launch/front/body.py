@@ -14,7 +14,9 @@ made of them, against vLLM's own bounds: a 400 naming the field and the rule.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,29 +47,57 @@ class BodyRefused(Exception):
 
 @dataclass(frozen=True)
 class RequestBody:
-    """`raw`: the bytes forwarded. `members`: a JSON object's top-level members, undecoded; None for
-    a body that is not a JSON object (forwarded as it came: its reader names what is wrong)."""
+    """`original`: the bytes as the client sent them. `members`: a JSON object's top-level members,
+    undecoded (views of `original`); None for a body that is not a JSON object (forwarded as it came:
+    its reader names what is wrong). `changed`: members were taken out or set, so what is forwarded
+    is `members` encoded again (`raw`, or piece by piece: pieces())."""
 
-    raw: bytes
+    original: bytes | bytearray
     members: dict[str, msgspec.Raw] | None = None
+    changed: bool = False
 
     @classmethod
-    def parse(cls, raw: bytes, content_type: str | None = None) -> RequestBody:
+    def parse(cls, raw: bytes | bytearray, content_type: str | None = None) -> RequestBody:
         if not raw:
             return cls(raw)
         try:
             members = _members.decode(raw)
         except msgspec.DecodeError:
             members = _fallback(raw, content_type)
+            if members is not None:  # read by Python's parser: forwarded as it encodes them
+                return cls(raw, members, changed=True).with_members(drop=INTERNAL_MEMBERS)._checked()
         except msgspec.ValidationError:
             members = None  # JSON, but not an object
         if members is None:
             return cls(raw)
-        body = cls(raw, members)
-        body._check_sizes()
-        if INTERNAL_MEMBERS & members.keys():
-            return body.with_members(drop=INTERNAL_MEMBERS)
-        return body
+        body = cls(raw, members)._checked()
+        return body.with_members(drop=INTERNAL_MEMBERS) if INTERNAL_MEMBERS & members.keys() else body
+
+    @functools.cached_property
+    def raw(self) -> bytes | bytearray:
+        """What is forwarded, whole."""
+        if not self.changed:
+            return self.original
+        assert self.members is not None
+        return _encoder.encode(self.members)
+
+    @functools.cached_property
+    def num_bytes(self) -> int:
+        return sum(len(piece) for piece in self.pieces(1 << 62))
+
+    def pieces(self, size: int = 256 << 10) -> Iterator[bytes | memoryview]:
+        """What is forwarded, in pieces of at most about `size` bytes, none of them a copy of a large member."""
+        if not self.changed:
+            whole = memoryview(self.original)
+            yield from (whole[at:at + size] for at in range(0, len(whole), size))
+            return
+        assert self.members is not None
+        yield b"{"
+        for i, (name, value) in enumerate(self.members.items()):
+            yield (b"," if i else b"") + _encoder.encode(name) + b":"
+            whole = memoryview(value)
+            yield from (whole[at:at + size] for at in range(0, len(whole), size))
+        yield b"}"
 
     @property
     def is_object(self) -> bool:
@@ -94,11 +124,15 @@ class RequestBody:
         return None if self.members is None else self.members.get(name)
 
     def with_members(self, drop: frozenset[str] = frozenset(), **values: Any) -> RequestBody:
-        """This body with the members `drop` taken out and `values` set (encoded once)."""
+        """This body with the members `drop` taken out and `values` set (encoded when forwarded)."""
         assert self.members is not None
         members: dict[str, msgspec.Raw] = {k: v for k, v in self.members.items() if k not in drop}
         members.update((k, msgspec.Raw(_encoder.encode(v))) for k, v in values.items())
-        return RequestBody(encode(members), members)
+        return RequestBody(self.original, members, changed=True)
+
+    def _checked(self) -> RequestBody:
+        self._check_sizes()
+        return self
 
     def _check_sizes(self) -> None:
         for name in SIZE_MEMBERS:

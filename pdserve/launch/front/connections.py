@@ -85,6 +85,43 @@ class ConnectionSlots:
         self.num_held -= 1
 
 
+class ReadPacer:
+    """New connections start reading at most `per_turn` to a turn of the event loop; the rest wait,
+    paused, for later turns. A burst of a thousand connections (each ~0.2 ms to take in) is then
+    spread over many turns, between which streams already flowing are relayed."""
+
+    def __init__(self, per_turn: int = 32) -> None:
+        self.per_turn = per_turn
+        self._num_started = 0  # in this turn
+        self._paused: collections.deque[asyncio.Transport] = collections.deque()
+        self._turn_scheduled = False
+
+    def start(self, transport: asyncio.Transport) -> None:
+        """`transport` (just connected) reads now, or once its turn comes."""
+        if self._num_started < self.per_turn and not self._paused:
+            self._num_started += 1
+        else:
+            transport.pause_reading()
+            self._paused.append(transport)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._turn_scheduled:
+            self._turn_scheduled = True
+            asyncio.get_running_loop().call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        self._turn_scheduled = False
+        self._num_started = 0
+        while self._paused and self._num_started < self.per_turn:
+            transport = self._paused.popleft()
+            if not transport.is_closing():
+                transport.resume_reading()
+                self._num_started += 1
+        if self._paused or self._num_started:
+            self._schedule()
+
+
 def _busy(capacity: int) -> OpenAIError:
     return OpenAIError(503, f"the server is at its limit of {capacity} connections: retry later")
 
@@ -92,9 +129,10 @@ def _busy(capacity: int) -> OpenAIError:
 class FrontConnection(web.RequestHandler):
     """One client connection: served once it holds a slot."""
 
-    def __init__(self, manager: Connections, slots: ConnectionSlots, **kwargs) -> None:
+    def __init__(self, manager: Connections, slots: ConnectionSlots, pacer: ReadPacer, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self._slots = slots
+        self._pacer = pacer
         self._holds_slot = False
         self._admission: asyncio.Task | None = None
 
@@ -103,6 +141,7 @@ class FrontConnection(web.RequestHandler):
         self._slots.arrived()
         if self._slots.try_acquire():
             self._holds_slot = True
+            self._pacer.start(transport)
         elif self._slots.num_waiting >= self._slots.capacity:
             self._refuse(transport)
         else:
@@ -151,7 +190,9 @@ class Connections(web.Server):
     def __init__(self, handler, slots: ConnectionSlots, **connection_options) -> None:
         super().__init__(handler, handler_cancellation=True)
         self._slots = slots
+        self._pacer = ReadPacer()
         self._connection_options = connection_options
 
     def __call__(self) -> FrontConnection:
-        return FrontConnection(self, self._slots, loop=asyncio.get_running_loop(), **self._connection_options)
+        return FrontConnection(self, self._slots, self._pacer, loop=asyncio.get_running_loop(),
+                               **self._connection_options)

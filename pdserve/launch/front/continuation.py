@@ -78,14 +78,16 @@ def _continuable(path: str, body: RequestBody) -> bool:
 
 
 def _one_prompt(body: RequestBody) -> bool:
-    """A string or one list of token ids (read from its raw bytes: a long prompt is never decoded)."""
+    """A string or one list of token ids (told by its first bytes: a long prompt is never decoded)."""
     raw = body.raw_member("prompt")
     if raw is None:
         return False
-    text = bytes(raw).strip()
-    if text.startswith(b'"'):
+    head = bytes(memoryview(raw)[:64]).lstrip()
+    if head.startswith(b'"'):
         return True
-    return text.startswith(b"[") and not any(c in text[1:] for c in b'[{".eEtfn')
+    # a list that starts with an id is a list of ids only (vLLM's schema refuses any other)
+    first = head[1:].lstrip()[:1]
+    return head.startswith(b"[") and (first.isdigit() or first == b"-")
 
 
 @dataclass
@@ -107,7 +109,7 @@ class Follow:
     path: str
     body: RequestBody  # the client's
     wants_ids: bool  # the client asked for token ids itself
-    upstream_body: bytes  # what is sent upstream (token ids asked for)
+    upstream_body: RequestBody  # what is sent upstream (token ids asked for)
     num_choices: int
     choices: dict[int, Choice] = field(default_factory=dict)  # made as their events arrive
     prompt_ids: list[int] | None = None
@@ -123,7 +125,7 @@ class Follow:
         if method != "POST" or path not in (COMPLETIONS, CHAT) or not body.is_object or not _continuable(path, body):
             return None
         wants_ids = body.field("return_token_ids") is True
-        upstream = body.raw if wants_ids else body.with_members(return_token_ids=True).raw
+        upstream = body if wants_ids else body.with_members(return_token_ids=True)
         return cls(path, body, wants_ids, upstream, integer(body.field("n", 1)) or 1)
 
     @property

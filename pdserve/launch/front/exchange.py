@@ -23,11 +23,12 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import yarl
 from aiohttp import web
+from multidict import CIMultiDict
 
 from pdserve.launch.front.body import BodyRefused, RequestBody
 from pdserve.launch.front.config import FrontConfig, Upstream
@@ -54,6 +55,7 @@ UPSTREAM_KEEPALIVE_S = 4.0
 # pauses writing at 64 KiB buffered): it is written without a timer, a third of the CPU a relayed
 # piece costs
 UNBLOCKED_WRITE_BYTES = 16 << 10
+UPLOAD_WHOLE_BYTES = 1 << 20  # a larger request body is sent upstream piece by piece (_upload)
 
 
 class RelayBrokeOff(Exception):
@@ -111,6 +113,20 @@ def _failure(upstream: Upstream, exc: BaseException, idle_timeout: float) -> Ope
     if isinstance(exc, _TooLarge):
         return OpenAIError(502, f"{where} answered more than {MAX_ERROR_BODY_BYTES} bytes")
     return OpenAIError(502, f"{where} failed: {type(exc).__name__}")
+
+
+def _upload(body: RequestBody, headers: CIMultiDict[str]) -> bytes | bytearray | aiohttp.Payload | None:
+    """What aiohttp sends as `body`: whole if small; else piece by piece with its length in `headers`,
+    so that neither a copy of it nor more than a piece waits in a send buffer."""
+    if body.num_bytes <= UPLOAD_WHOLE_BYTES:
+        return body.raw or None
+
+    async def pieces() -> AsyncIterator[bytes | memoryview]:
+        for piece in body.pieces():
+            yield piece
+
+    headers["Content-Length"] = str(body.num_bytes)
+    return aiohttp.AsyncIterablePayload(pieces())
 
 
 async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes:
@@ -261,10 +277,11 @@ class Exchange:
         sent); _Unanswered where it failed leaving nothing to relay and nothing running."""
         assert self._session is not None
         url = yarl.URL(upstream.url + request.raw_path, encoded=True)
-        data = follow.upstream_body if follow is not None else body.raw
+        sent = follow.upstream_body if follow is not None else body
+        headers = request_headers(request.headers)
         try:
-            answer = await self._session.request(request.method, url, headers=request_headers(request.headers),
-                                                 data=data or None, allow_redirects=False)
+            answer = await self._session.request(request.method, url, headers=headers, data=_upload(sent, headers),
+                                                 allow_redirects=False)
         except (aiohttp.ClientError, TimeoutError) as exc:
             failure = _failure(upstream, exc, self._limits.idle_timeout)
             if isinstance(exc, aiohttp.ClientOSError):  # refused or reset

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import os
+import socket
 
 from aiohttp import web
 
@@ -27,6 +29,9 @@ from pdserve.launch.front.openai_error import OpenAIError
 DRAINING_MESSAGE = "pdserve is shutting down: new requests are refused while the ones in flight finish"
 LINGER_S = 2.0  # after an answer to a request not read whole (413, 408), how long its rest is read and dropped
 CLOSE_TIMEOUT = 1.0  # at the end of the drain, how long a connection may take to close
+# asyncio accepts up to its `backlog` waiting connections in one turn of the loop (~0.15 ms each): a
+# burst of 1,024 would stall every stream ~150 ms, so it takes them 32 at a time
+ACCEPT_BATCH = 32
 
 
 class State(enum.Enum):
@@ -75,11 +80,13 @@ class FrontServer:
         await self._exchange.open()
         try:
             self._listener = await asyncio.get_running_loop().create_server(
-                self._connections, self.config.host, self.config.port, reuse_address=True,
-                backlog=self.config.limits.max_connections)
+                self._connections, self.config.host, self.config.port, reuse_address=True, backlog=ACCEPT_BATCH)
         except BaseException:
             await self._exchange.close()
             raise
+        for listening in self._listener.sockets:  # the kernel queues up to max_connections
+            with socket.socket(fileno=os.dup(listening.fileno())) as sock:  # closing the dup leaves it listening
+                sock.listen(limits.max_connections)
         self.state = State.SERVING
 
     async def drain(self) -> int:

@@ -63,14 +63,14 @@ def test_only_streamed_generations_it_can_continue_are_followed():
 
 def test_token_ids_are_asked_of_the_upstream_and_taken_out_for_the_client():
     f = follow()
-    assert json.loads(f.upstream_body)["return_token_ids"] is True
+    assert json.loads(f.upstream_body.raw)["return_token_ids"] is True
     stream = completion_event(text="a", ids=[5], prompt_ids=[1, 2, 3]) + completion_event(text="b", ids=[6])
     out = b"".join(f.feed(stream[i:i + 7]) for i in range(0, len(stream), 7))  # events split anywhere
     first, second = events(out)
     assert "prompt_token_ids" not in first["choices"][0] and "token_ids" not in second["choices"][0]
     assert first["choices"][0]["text"] == "a" and f.prompt_ids == [1, 2, 3] and f.choices[0].ids == [5, 6]
     asked = follow(return_token_ids=True)
-    assert asked.upstream_body == json.dumps({"model": "m", "prompt": "hi", "stream": True, "max_tokens": 8,
+    assert asked.upstream_body.raw == json.dumps({"model": "m", "prompt": "hi", "stream": True, "max_tokens": 8,
                                               "temperature": 0, "return_token_ids": True}).encode()
     assert asked.feed(stream) == stream  # relayed as it came
 
