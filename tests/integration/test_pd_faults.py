@@ -1,5 +1,5 @@
-"""PD faults, real vLLM: bytes corrupted in flight change the output in both modes (so the KV really
-is used, and the correctness check can fail), and D killed during transfers leaves P clean (WRITE,
+"""PD faults, real vLLM: bytes corrupted in flight are caught by the KV digest in both modes (none
+served, every one recomputed, the output equal to collocated serving), and D killed during transfers leaves P clean (WRITE,
 where P holds a prompt's KV longest: until D's block ids come; READ's D-killed cell runs in
 scripts/fault_matrix.py, its results in benchmarks/fault-matrix/).
 
@@ -45,7 +45,10 @@ def reference(greedy_reference):
 corrupted = shared("pd-write", "pd-read")
 
 
-def test_corrupted_bytes_change_the_output(corrupted, reference):
+def test_corrupted_copies_are_caught_by_the_digest_and_recomputed(corrupted, reference):
+    """Every copied batch is corrupted where it lands (fault plan `corrupt_copy`); with the digest
+    on (kv_verify's default), D catches every transfer, serves none of them and recomputes each:
+    the output equals collocated serving. test_pd_serving shows D otherwise uses the KV it gets."""
     before = metrics(corrupted.decode_url)
     corrupted.fault_plan.write_text(json.dumps({"rules": [{"action": "corrupt_copy"}]}))
     time.sleep(0.6)  # the workers re-read the plan every 0.2 s
@@ -55,10 +58,16 @@ def test_corrupted_bytes_change_the_output(corrupted, reference):
         corrupted.fault_plan.write_text(json.dumps({"rules": []}))
     result = compare_greedy(reference, output)
     print(corrupted.mode, result.summary())
-    assert not result.ok, "the output did not change although every transferred byte was corrupted"
     after = metrics(corrupted.decode_url)
-    done = metric(after, "pdserve:kv_transfers_completed_total") - metric(before, "pdserve:kv_transfers_completed_total")
-    assert done == len(PROMPTS)  # the transfers "succeeded": only the bytes were wrong
+
+    def delta(name: str, **labels) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    mode = corrupted.mode.lower()
+    assert delta("pdserve:kv_digest_mismatch_total", transport="shm", mode=mode) == len(PROMPTS)
+    assert delta("pdserve:kv_transfers_completed_total") == 0  # none served from the corrupted KV
+    assert delta("pdserve:kv_recomputed_total") == len(PROMPTS)
+    assert result.ok, result.summary()
 
 
 @pytest.mark.parametrize("corrupted", [DeploymentName("pd-write")], ids=["pd-write"], indirect=True)

@@ -111,3 +111,24 @@ def test_placement_keys_are_parsed_with_the_rest_and_write_only_options_refuse_r
                                                "serve_decode": True})
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config keys: eager_prefill"):
         parse_connector_config("kv_producer", {"secret_file": "x", "placement": "adaptive", "eager_prefill": True})
+
+
+def test_kv_verify_defaults_to_digest_where_the_kv_moves_from_host_memory():
+    assert parse().kv_verify == "digest"
+    assert parse({"kv_verify": "off"}).kv_verify == "off"
+    staged = parse_connector_config("kv_consumer", {}, env=ENV, kv_device="cuda", vllm_kv_buffer_device="cpu")
+    assert staged.kv_verify == "digest"  # host staging: the mirror is hashed
+    direct = parse_connector_config("kv_consumer", {}, env=ENV, kv_device="cuda", vllm_kv_buffer_device="cuda")
+    assert direct.kv_verify == "off"  # KV moved straight from GPU memory is not hashed
+
+
+@pytest.mark.parametrize("value", ["crc", "on", True, ""])
+def test_bad_kv_verify_is_refused_naming_the_key(value):
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.kv_verify must be one of digest, off"):
+        parse({"kv_verify": value})
+
+
+def test_kv_verify_digest_is_refused_for_kv_moved_from_gpu_memory():
+    with pytest.raises(ConfigError, match="kv_verify digest hashes KV in host memory"):
+        parse_connector_config("kv_consumer", {"kv_verify": "digest"}, env=ENV, kv_device="cuda",
+                               vllm_kv_buffer_device="cuda")
