@@ -3,7 +3,8 @@
 It exists for what vllm-router 0.1.17 does not do: answer GET /v1/models in PD discovery mode
 (exchange.py), send completions with echo and logprobs where its merge cannot get them wrong
 (routes.py), word every error in OpenAI's shape (openai_error.py), hold each client to limits
-(config.Limits, connections.py), and drain on SIGTERM (server.py). Everything else passes through,
+(config.Limits, connections.py, intake.py), keep what only pdserve sets out of what clients send
+(body.py, headers.py), and drain on SIGTERM (server.py). Everything else passes through,
 streams piece by piece, on kept-alive connections at both ends (aiohttp's HTTP/1.1 server and
 client). The launcher's side of it (FrontSpec: where it listens, what it fronts) is in spec.py.
 """

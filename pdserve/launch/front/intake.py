@@ -40,19 +40,21 @@ class Intake:
         self._limits = limits
         self._pressured = pressured
         self.num_bytes_held = 0
-        self._arriving: dict[asyncio.Timeout, float] = {}  # each body's deadline, by its start (loop time)
+        self._arriving: dict[asyncio.Timeout, float] = {}  # the deadlines not yet tightened, by body start
 
     @property
     def _busy_timeout(self) -> float:
         return min(self._limits.busy_body_timeout, self._limits.body_timeout)
 
     def tighten(self) -> None:
-        """The slots near their limit: every body still arriving must be whole `busy_body_timeout` after its start."""
+        """The slots near their limit: every body still arriving must be whole `busy_body_timeout` after
+        its start (each is tightened once: bodies that start under pressure start tight)."""
         for deadline, started in self._arriving.items():
             when = deadline.when()
             busy = started + self._busy_timeout
             if when is None or busy < when:
                 deadline.reschedule(busy)
+        self._arriving.clear()
 
     def release(self, num_bytes: int) -> None:
         self.num_bytes_held -= num_bytes
@@ -78,7 +80,8 @@ class Intake:
         timeout = self._busy_timeout if self._pressured() else limits.body_timeout
         try:
             async with asyncio.timeout(timeout) as deadline:
-                self._arriving[deadline] = started
+                if timeout > self._busy_timeout:
+                    self._arriving[deadline] = started
                 try:
                     while chunk := await request.content.readany():
                         body += chunk
@@ -89,7 +92,7 @@ class Intake:
                                 raise self._busy()
                             held = len(body)
                 finally:
-                    del self._arriving[deadline]
+                    self._arriving.pop(deadline, None)
         except TimeoutError:
             self.release(held)
             allowed = round((deadline.when() or loop.time()) - started, 1)
