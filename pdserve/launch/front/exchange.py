@@ -208,6 +208,10 @@ class Exchange:
         if self._session is not None:
             await self._session.close()
 
+    @property
+    def num_body_bytes_held(self) -> int:
+        return self._intake.num_bytes_held
+
     def tighten(self) -> None:
         """The connection slots near their limit: bodies still arriving get the shorter deadline."""
         self._intake.tighten()

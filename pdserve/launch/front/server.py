@@ -66,6 +66,11 @@ class FrontServer:
         return self._slots.num_held
 
     @property
+    def num_body_bytes_held(self) -> int:
+        """Bytes of request bodies held (against Limits.max_body_bytes_in_flight)."""
+        return self._exchange.num_body_bytes_held
+
+    @property
     def num_waiting(self) -> int:
         """Client connections waiting for a slot."""
         return self._slots.num_waiting

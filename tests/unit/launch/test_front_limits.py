@@ -175,3 +175,43 @@ def test_the_connection_limit_holds_and_a_waiting_connection_gets_a_freed_slot()
             for sock in idle:
                 sock.close()
         assert run.upstream.requests == ["GET /health"]
+
+
+def test_slow_bodies_near_the_connection_limit_get_the_busy_deadline():
+    with running(BASE + 14, max_connections=16, connection_wait=0.5, head_timeout=30, body_timeout=30,
+                 busy_body_timeout=1.0) as run:
+        slow = []
+        try:
+            for _ in range(16):  # every slot: the 14th brings the pressure (7/8 held)
+                sock = connect(BASE + 14)
+                sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nab")
+                slow.append(sock)
+            start = time.monotonic()
+            answers = [answer_of(sock) for sock in slow]
+            assert time.monotonic() - start < 5  # not the 30 s body deadline
+            assert all(status_of(a) == 408 and b"did not arrive within 1 s" in a for a in answers), answers[:1]
+        finally:
+            for sock in slow:
+                sock.close()
+        assert requests.post(f"{run.url}/echo", data=b"x", timeout=10).status_code == 200
+        assert run.upstream.requests == ["POST /echo"]
+
+
+def test_bodies_held_at_once_are_bounded_and_one_more_is_503_before_it_is_read():
+    with running(BASE + 16, max_body_bytes=1000, max_body_bytes_in_flight=2000, head_timeout=30) as run:
+        held = [connect(BASE + 16) for _ in range(2)]
+        try:
+            for sock in held:  # 2 x 1000 bytes declared, 999 sent: the whole budget
+                sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 999)
+            wait_for(lambda: run.front.num_body_bytes_held == 2000)
+            with connect(BASE + 16) as sock:
+                sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+                answer = answer_of(sock)
+            assert status_of(answer) == 503 and b"2000 bytes of request bodies" in answer, answer
+            for sock in held:
+                sock.sendall(b"x")
+                assert status_of(sock.recv(65536)) == 200
+        finally:
+            for sock in held:
+                sock.close()
+        wait_for(lambda: run.front.num_body_bytes_held == 0)
