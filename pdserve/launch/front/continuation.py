@@ -69,7 +69,7 @@ def _continuable(path: str, body: RequestBody) -> bool:
     for name in ("max_tokens", "max_completion_tokens", "min_tokens", "n"):
         if body.field(name) is not None and integer(body.field(name)) is None:
             return False  # the instance answers what is wrong with it
-    if not isinstance(body.field("stream_options", {}), dict) or body.field("return_token_ids") not in (None, True):
+    if not isinstance(body.field("stream_options", {}), dict):
         return False
     if path == COMPLETIONS:
         return _one_prompt(body)

@@ -341,3 +341,10 @@ def test_the_front_ends_a_stream_it_cannot_continue_exactly_with_an_error_event(
         assert text["choices"][0]["text"] == "a" and done == "[DONE]"
         assert "frequency_penalty" in error["error"]["message"]
         assert run.instances["decode"].bodies == []  # nothing was continued
+
+
+def test_a_client_that_said_no_to_token_ids_is_followed_with_them_asked_for_and_taken_out():
+    f = follow(return_token_ids=False)
+    assert not f.wants_ids and json.loads(f.upstream_body.raw)["return_token_ids"] is True
+    (event,) = events(f.feed(completion_event(text="a", ids=[5], prompt_ids=[1])))
+    assert "token_ids" not in event["choices"][0]
