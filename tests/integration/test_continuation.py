@@ -106,6 +106,8 @@ def cases(model: str) -> dict[str, Stream]:
     return {
         "chat, no max_tokens": chat(ignore_eos=True),
         "chat, min_tokens, no max_tokens": chat(min_tokens=200),
+        # vLLM 0.32 refuses n > 1 at temperature 0; top_k 1 keeps the best token, and all tokens tied with it
+        # in bfloat16 (then drawn at random: compare_greedy lets runs part at such a near-tie)
         "completion, n=3 (top_k 1)": completion(n=3, temperature=1.0, top_k=1, max_tokens=120, ignore_eos=True),
         "completion, penalties": completion(frequency_penalty=0.5, presence_penalty=0.3, max_tokens=120,
                                             ignore_eos=True),
@@ -201,7 +203,6 @@ def test_continued_streams_equal_uninterrupted_runs(front_write):
     assert len(reference["completion, no max_tokens"].ids[0]) == 16  # vLLM's completions default
     chat = reference["chat, no max_tokens"]
     assert chat.finish == {0: "length"} and len(chat.prompt_ids) + len(chat.ids[0]) == MAX_MODEL_LEN  # vLLM's chat default
-    assert len(set(map(tuple, reference["completion, n=3 (top_k 1)"].ids.values()))) == 1  # greedy: equal choices
 
     refused, expected = broken["completion, penalties"], reference["completion, penalties"]
     (error,) = refused.errors
