@@ -14,8 +14,10 @@ transport: `slow_copy` sleeps on the copy thread after each batch (the queue beh
 too), `fail_copy` fails a batch after its bytes landed (the worst case for D: the blocks look
 written), `stall_copy` sleeps after a batch was admitted and before its bytes move (a copy that
 began before its deadline and is slowed past it; shared-memory and NIXL transports alike),
-`corrupt_copy` flips bytes of every batch after they landed (corrupt.py; shared memory only): the
-transfer succeeds with wrong bytes, so a test can show the decode side really computes from them. `kill` SIGKILLs this instance's whole process group at a named point.
+`corrupt_copy` flips bytes of every batch after they landed (corrupt.py; shared memory copies, and
+NIXL reads into host memory: a NIXL write lands in the peer, out of reach): the copy succeeds with
+wrong bytes, so a test can show that kv_verify's digest catches them (or, with it off, that the
+decode side really computes from them). `kill` SIGKILLs this instance's whole process group at a named point.
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ class FaultPlan:
 
     def install_copy_hook(self, transport) -> None:
         """Run copy rules on `transport`'s copy thread: `stall_copy` through its stall hook (every
-        copy-thread transport), the others through its copy hook (shared memory only)."""
+        copy-thread transport), the others through its copy hook (shared memory; NIXL reads into
+        host memory)."""
         if not self._path:
             return
         if hasattr(transport, "set_copy_hook"):

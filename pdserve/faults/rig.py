@@ -25,7 +25,7 @@ class FaultRig(Rig):
 
     def wrap_transport(self, transport: Transport) -> Transport:
         self._plan.install_copy_hook(transport)
-        corruptible = hasattr(transport, "set_copy_hook")  # shared memory: its bytes are addressable here
+        corruptible = hasattr(transport, "set_copy_hook")  # shared memory, NIXL reads: bytes addressable here
         return CorruptingTransport(transport) if self._corrupt and corruptible else transport
 
     def outgoing(self, message: object, send: Callable[[object], bool]) -> bool:

@@ -75,6 +75,7 @@ class _InFlight(NamedTuple):
     overdue: str | None = None  # why its handle will fail once it ended; None while it may still succeed
     drain_until: float = 0.0  # overdue: the monotonic time after which it counts as stuck
     stuck: bool = False  # `on_stuck_copy` was called for it
+    landed: tuple[tuple[int, int], ...] = ()  # a READ into host memory: the (address, length) ranges it writes here
 
 
 class NixlTransport(CopyThreadTransport):
@@ -96,7 +97,15 @@ class NixlTransport(CopyThreadTransport):
         self._in_flight: list[_InFlight] = []
         self._retired: set[str] = set()  # detached peers' agents, forgotten once no request of theirs runs
         self._lock = threading.Lock()  # peers and in-flight requests: the worker thread detaches, the copy thread posts
+        self._copy_hook: Callable[[Direction, list[tuple[int, int]]], None] | None = None
         self._start_copy_thread()
+
+    def set_copy_hook(self, hook: Callable[[Direction, list[tuple[int, int]]], None] | None) -> None:
+        """Install a hook run on the copy thread after a READ into host memory landed, before its
+        handle turns DONE, with the (address, length) ranges it wrote here; a hook that raises
+        fails the batch. A WRITE lands in the peer's memory, out of this process's reach: no hook.
+        Test-only (pdserve/faults), as ShmTransport's."""
+        self._copy_hook = hook
 
     # ---- regions and peers (worker thread) ---------------------------------------------------
 
@@ -201,7 +210,9 @@ class NixlTransport(CopyThreadTransport):
             except TransferError as exc:  # post releases a request it could not post
                 handle.finish(TransferStatus.FAILED, str(exc))
                 return
-            self._settle(_InFlight(handle, request, posted, peer.agent_name), state, None)
+            landed = tuple((local, length) for local, length, _ in local_list) \
+                if handle.direction is Direction.READ and local_memory == DRAM else ()
+            self._settle(_InFlight(handle, request, posted, peer.agent_name, landed=landed), state, None)
 
     def _memories(self, job: Job, peer: _Peer) -> tuple[NixlMemory, NixlMemory] | str:
         """The one NIXL memory of each side of a checked batch, or why the batch mixes several."""
@@ -229,7 +240,8 @@ class NixlTransport(CopyThreadTransport):
         """Finish `flight` if its request ended, else keep it (overdue once past its deadline).
         Called with the lock held, `flight` not in the in-flight list."""
         if state is XferState.DONE:
-            self._end(flight, TransferStatus.FAILED if flight.overdue else TransferStatus.DONE, flight.overdue)
+            error = flight.overdue or self._run_copy_hook(flight)
+            self._end(flight, TransferStatus.FAILED if error else TransferStatus.DONE, error)
             return
         if state is XferState.FAILED:
             self._end(flight, TransferStatus.FAILED,
@@ -246,6 +258,16 @@ class NixlTransport(CopyThreadTransport):
             logger.error("transport %s: %s; it counts as still copying", self.name, reason)
             self._on_stuck_copy(reason)
         self._in_flight.append(flight)
+
+    def _run_copy_hook(self, flight: _InFlight) -> str | None:
+        hook = self._copy_hook
+        if hook is None or not flight.landed:
+            return None
+        try:
+            hook(flight.handle.direction, list(flight.landed))
+        except Exception as exc:  # noqa: BLE001 - a failing hook fails the batch, not the copy thread
+            return f"copy failed: {type(exc).__name__}: {exc}"
+        return None
 
     def _make_overdue(self, flight: _InFlight, reason: str) -> _InFlight:
         if flight.overdue is not None:
