@@ -96,9 +96,18 @@ def test_read_d_status_reaches_p_rate_limited():
 def test_the_worker_hands_the_engine_every_message_but_the_handshake_ping_and_registration():
     """A message type the worker's server does not pass on is dropped with a warning in a real
     deployment, whatever the engine would do with it (the engine tests above bypass the server).
-    A Registration is for the router's registrar, never for a worker."""
+    A Registration is for the router's registrar, never for a worker; a ClockSkew notice for the
+    socket that sent a refused frame."""
     from pdserve.connector.worker import TRANSFER_MESSAGES
-    from pdserve.control.messages import MESSAGE_TYPES, HandshakeRefused, HandshakeReply, HandshakeRequest, Ping, Pong
+    from pdserve.control.messages import (
+        MESSAGE_TYPES,
+        ClockSkew,
+        HandshakeRefused,
+        HandshakeReply,
+        HandshakeRequest,
+        Ping,
+        Pong,
+    )
     from pdserve.control.registration import Registration
-    conversation = {HandshakeRequest, HandshakeReply, HandshakeRefused, Ping, Pong, Registration}
+    conversation = {HandshakeRequest, HandshakeReply, HandshakeRefused, Ping, Pong, Registration, ClockSkew}
     assert set(TRANSFER_MESSAGES) == set(MESSAGE_TYPES.values()) - conversation
