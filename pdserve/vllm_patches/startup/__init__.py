@@ -1,6 +1,2 @@
 """A directory for PYTHONPATH, holding the `sitecustomize` every Python process under pdserve's vLLM
-entry runs at startup (pdserve.vllm_cli puts it there; see sitecustomize.py)."""
-
-from pathlib import Path
-
-DIRECTORY = Path(__file__).resolve().parent
+entry runs at startup (pdserve.vllm_patches.torch_extensions puts it there; see sitecustomize.py)."""

@@ -1,15 +1,18 @@
 """Run by Python at the start of every process a vLLM started through pdserve's vLLM entry spawns
-(pdserve.vllm_cli puts this directory first on their PYTHONPATH): vLLM inspects a model in a
-subprocess of its own (`python -m vllm.model_executor.models.registry`), which imports transformers,
-and with it torchvision, before any plugin could run. Hides the torch extension packages that do not
-load with this torch (pdserve.vllm_patches.torch_extensions), then runs the `sitecustomize` this one
-shadows, if there is one."""
+(pdserve.vllm_cli puts this directory first on their PYTHONPATH where it left some out): vLLM
+inspects a model in a subprocess of its own (`python -m vllm.model_executor.models.registry`),
+which imports transformers, and with it torchvision, before any plugin could run. Hides the torch
+extension packages the parent found broken (pdserve.vllm_patches.torch_extensions), then runs the
+`sitecustomize` this one shadows, if there is one."""
 
 import importlib
+import os
 import sys
+from pathlib import Path
 
-from pdserve.vllm_patches.startup import DIRECTORY
-from pdserve.vllm_patches.torch_extensions import hide_broken
+from pdserve.vllm_patches.torch_extensions import HIDDEN_ENV, hide
+
+DIRECTORY = Path(__file__).resolve().parent
 
 
 def _run_the_shadowed_one() -> None:
@@ -26,5 +29,5 @@ def _run_the_shadowed_one() -> None:
             sys.modules["sitecustomize"] = ours
 
 
-hide_broken(quiet=True)
+hide(os.environ.get(HIDDEN_ENV, "").split(","))
 _run_the_shadowed_one()
