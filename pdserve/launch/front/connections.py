@@ -90,7 +90,7 @@ class ReadPacer:
     paused, for later turns. A burst of a thousand connections (each ~0.2 ms to take in) is then
     spread over many turns, between which streams already flowing are relayed."""
 
-    def __init__(self, per_turn: int = 32) -> None:
+    def __init__(self, per_turn: int = 16) -> None:
         self.per_turn = per_turn
         self._num_started = 0  # in this turn
         self._paused: collections.deque[asyncio.Transport] = collections.deque()
@@ -135,6 +135,17 @@ class FrontConnection(web.RequestHandler):
         self._pacer = pacer
         self._holds_slot = False
         self._admission: asyncio.Task | None = None
+
+    # aiohttp reads its `_lingering_time` once it answered a request whose body it did not read whole
+    # (413, 408): it then reads and drops the rest for that long. A slow sender would keep its slot
+    # through it, so near the connection limit the connection closes at once instead.
+    @property
+    def _lingering_time(self) -> float:
+        return 0.0 if self._slots.pressured else self._linger
+
+    @_lingering_time.setter
+    def _lingering_time(self, value: float) -> None:
+        self._linger = value
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)

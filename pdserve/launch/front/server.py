@@ -30,8 +30,8 @@ DRAINING_MESSAGE = "pdserve is shutting down: new requests are refused while the
 LINGER_S = 2.0  # after an answer to a request not read whole (413, 408), how long its rest is read and dropped
 CLOSE_TIMEOUT = 1.0  # at the end of the drain, how long a connection may take to close
 # asyncio accepts up to its `backlog` waiting connections in one turn of the loop (~0.15 ms each): a
-# burst of 1,024 would stall every stream ~150 ms, so it takes them 32 at a time
-ACCEPT_BATCH = 32
+# burst of 1,024 would stall every stream ~150 ms, so it takes them 16 at a time
+ACCEPT_BATCH = 16
 
 
 class State(enum.Enum):
