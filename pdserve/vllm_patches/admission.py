@@ -91,8 +91,10 @@ def left_out(why: str) -> None:
 
 
 def refuse_at_startup(vllm_config) -> None:
-    """PatchRefusal for a model this vLLM serves wrong without a patch that did not apply; else
-    logs what will be refused request by request."""
+    """PatchRefusal for a model this vLLM serves wrong without a patch that did not apply. (Seeded
+    requests are checked one by one, the patch's state probed at the first that needs it: the API
+    server does not import the model runner otherwise, and the worker that does says at startup
+    when the patch is left out.)"""
     if not _on_cpu():
         return
     model = getattr(vllm_config, "model_config", None)
@@ -101,12 +103,6 @@ def refuse_at_startup(vllm_config) -> None:
             f"pdserve refuses model {model.model!r} on vLLM {vllm_version()}: it uses multi-head latent attention "
             f"(MLA), which vLLM's CPU rotary kernel rotates at the wrong places, and pdserve's patch "
             f"{cpu_rope.NAME} does not apply ({rope})")
-    sampling = _seeded_sampling_problem()
-    if sampling is not None:
-        route_logs_to_vllm()
-        logger.warning("pdserve: vLLM %s: patch %s does not apply (%s): seeded requests of more than %d prompt "
-                       "tokens are refused (HTTP 400)", vllm_version(), seeded_sampling.NAME, sampling,
-                       max_unsplit_tokens(vllm_config.scheduler_config))
 
 
 def seeded_refusal(vllm_config, params, num_prompt_tokens: int) -> str | None:
@@ -120,6 +116,7 @@ def seeded_refusal(vllm_config, params, num_prompt_tokens: int) -> str | None:
     sampling = _seeded_sampling_problem()
     if sampling is None:
         return None
+    _say_seeded_requests_are_refused(sampling, limit)
     return (f"pdserve refuses seeded sampling for this request: on vLLM {vllm_version()} pdserve's patch "
             f"{seeded_sampling.NAME} does not apply ({sampling}), and without it a seeded request whose "
             f"{num_prompt_tokens}-token prompt vLLM splits across steps (this instance splits any prompt of more "
@@ -135,6 +132,13 @@ def max_unsplit_tokens(scheduler_config) -> int:
     if 0 < threshold < chunk:
         chunk = threshold
     return chunk if scheduler_config.max_num_seqs == 1 else 1
+
+
+@functools.cache
+def _say_seeded_requests_are_refused(why: str, limit: int) -> None:
+    route_logs_to_vllm()
+    logger.warning("pdserve: vLLM %s: patch %s does not apply (%s): seeded requests of more than %d prompt tokens "
+                   "are refused (HTTP 400)", vllm_version(), seeded_sampling.NAME, why, limit)
 
 
 def _num_prompt_tokens(request) -> int:
