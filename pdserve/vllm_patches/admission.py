@@ -119,7 +119,7 @@ def seeded_refusal(vllm_config, params, num_prompt_tokens: int) -> str | None:
     _say_seeded_requests_are_refused(sampling, limit)
     return (f"pdserve refuses seeded sampling for this request: on vLLM {vllm_version()} pdserve's patch "
             f"{seeded_sampling.NAME} does not apply ({sampling}), and without it a seeded request whose "
-            f"{num_prompt_tokens}-token prompt vLLM splits across steps (this instance splits any prompt of more "
+            f"{num_prompt_tokens}-token prompt vLLM splits across steps (this instance may split any prompt of more "
             f"than {limit} tokens) kills the engine on CPU. Send it without a seed, or with temperature 0.")
 
 
