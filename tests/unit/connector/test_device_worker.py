@@ -278,3 +278,48 @@ def test_device_kv_and_host_kv_peers_are_refused(start):
     d = start("kv_consumer", TransferMode.WRITE, transport="auto", kv_buffer_device="cuda")
     result = d.worker._handshake(p.address)
     assert result.error and "kv_block_format" in result.error and "cpu_isa" in result.error
+
+
+@pytest.fixture
+def corrupt_plan(tmp_path):
+    """A fault plan corrupting every copy as it lands, read by workers started with it (the fault rig)."""
+    from pdserve.faults.rig import RIG_NAME, register
+    from pdserve.rigs import unregister_rig
+
+    plan = tmp_path / "faults.json"
+    plan.write_text('{"rules": [{"action": "corrupt_copy"}]}')
+    register()
+    yield str(plan)
+    unregister_rig(RIG_NAME)
+
+
+def _digest_stats(side: Side) -> tuple[list[str], float]:
+    stats = side.worker.take_stats() or {}
+    return stats.get("digest_mismatches", []), stats.get("digest_seconds", 0.0)
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host-kv", "host-staging"])
+@pytest.mark.parametrize("mode", [TransferMode.WRITE, TransferMode.READ], ids=lambda m: m.value)
+def test_workers_verify_the_digest_over_real_sockets_and_catch_a_corrupting_plan(start, corrupt_plan, mode, device):
+    """kv_verify's default, the codec carrying kv_digest, the fault rig's corrupt_copy: a healthy
+    transfer passes, then every corrupted one fails on D and is counted."""
+    extra = {"transport": "shm", "kv_buffer_device": "cpu"} if device else {"transport": "shm"}
+    d = start("kv_consumer", mode, device=device, **extra)
+    p = start("kv_producer", mode, device=device, test_fault_plan=corrupt_plan + ".off", **extra)
+    move = write if mode is TransferMode.WRITE else read
+    fill(p.caches, seed=5)
+    move(p, d, rid="req-1")
+    assert "req-1" in d.reported("recving") and not d.reported("failed_recving")
+    assert _digest_stats(d)[1] > 0 and _digest_stats(p)[0] == []
+    copier = p if mode is TransferMode.WRITE else d
+    copier.worker.shutdown()  # the copier restarts with the plan in force
+    copier = start("kv_producer" if copier is p else "kv_consumer", mode, device=device, test_fault_plan=corrupt_plan,
+                   **extra)
+    if mode is TransferMode.WRITE:
+        p = copier
+        fill(p.caches, seed=5)
+    else:
+        d = copier
+    move(p, d, rid="req-2")
+    assert "req-2" in d.reported("failed_recving")
+    assert _digest_stats(d)[0] == [f"shm:{mode.value.lower()}"]
