@@ -23,8 +23,10 @@ from pdserve.control.messages import (
     ClockSkew,
     HandshakeReply,
     HandshakeRequest,
+    ReadAck,
     ReadDone,
     RemoteBlocks,
+    WriteDone,
 )
 from pdserve.control.registration import Registration
 from pdserve.errors import ProtocolError
@@ -59,8 +61,11 @@ def largest_handshake_reply() -> HandshakeReply:
 
 def largest_request_messages() -> list:
     block_ids = [MAX_BLOCK_ID - 1] * MAX_BLOCKS
+    digest = b"\xff" * (4 * MAX_BLOCKS)  # a CRC-32 per block
     return [RemoteBlocks("t" * 256, block_ids, 0, "a" * 32, 3600.0),
             ReadDone("t" * 256, block_ids, "a" * 32, HOST, 65535),
+            WriteDone("t" * 256, True, "e" * 4096, "a" * 32, digest),
+            ReadAck("t" * 256, True, "e" * 4096, digest),
             HandshakeRequest(LONGEST_ID, fingerprint(), "/proc/4294967/fd/123456789", "ab" * 32)]
 
 
