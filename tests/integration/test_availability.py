@@ -1,10 +1,11 @@
 """Availability through the front (write mode, tiny model, instances restarted on failure): a
 request survives the death of the instance serving it.
 
-In order, on the shared write deployment (pool.py): D SIGKILLed mid-stream (the stream continues on P, its tokens those of
-an uninterrupted collocated run, its usage whole); P SIGKILLed (requests sent right after fall back
-to D, greedy outputs equal collocated serving); both SIGKILLed (an OpenAI-shaped 503). After each
-death the restarted instance is used through the router again."""
+In order, on the shared write deployment (pool.py): D SIGKILLed mid-stream (the stream continues
+on P, its tokens those of an uninterrupted collocated run, its usage whole; the supervisor restarts
+D alone, on its core); P SIGKILLed (requests sent right after fall back to D, greedy outputs equal
+collocated serving); both SIGKILLed (an OpenAI-shaped 503). After each death the restarted
+instance is used through the router again."""
 
 import json
 import os
@@ -15,6 +16,8 @@ import pytest
 import requests
 
 from pdserve.compare import compare_greedy, fetch_greedy, parse_stream
+from pdserve.launch import UpOptions
+from pdserve.launch.process import group_members
 from pdserve.launch.samples import metric, parse_samples
 from pdserve.launch.supervisor import State
 from tests.integration.pd_helpers import (
@@ -83,6 +86,8 @@ def test_decode_killed_mid_stream_continues_on_prefill(cluster, reference):
             "return_token_ids": True, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     events, killed = [], None
     continued = metric(front_metrics(cluster), "pdserve:requests_continued_total")
+    restarts = dict(cluster.restarts)
+    affinity = os.sched_getaffinity(next(p for p in cluster.instances if p.name == "decode").pid)
     with requests.post(f"{cluster.endpoint}/v1/completions", json=body, stream=True, timeout=300) as response:
         assert response.status_code == 200, response.text
         lines = response.iter_lines(chunk_size=None)
@@ -104,6 +109,12 @@ def test_decode_killed_mid_stream_continues_on_prefill(cluster, reference):
                                    "total_tokens": len(prompt) + LONG}
     assert metric(front_metrics(cluster), "pdserve:requests_continued_total") >= continued + 1
     wait_back(cluster, "decode", killed)
+    # the supervisor (`pdserve up`'s default, restart on failure) brought back D alone: the killed
+    # process group gone, the new one on the same core
+    assert UpOptions().restart == cluster.restart == "on-failure"
+    assert group_members(killed) == []
+    assert os.sched_getaffinity(next(p for p in cluster.instances if p.name == "decode").pid) == affinity
+    assert cluster.restarts == {**restarts, "decode": restarts["decode"] + 1}
 
 
 def test_prefill_killed_requests_fall_back_to_decode(cluster, reference):

@@ -71,7 +71,7 @@ def test_hybrid_model_equals_collocated_to_the_last_bit_moving_state_once(refs, 
     # all but the last prompt token by up to 0.22
     assert cell["ok"] and float(cell["summary"].rsplit(" ", 1)[1]) <= BATCH_NOISE, str(cell)
     taken = [(len(p) - 2) // GDN_CHUNK * GDN_CHUNK for p in PROMPTS]
-    shape = KvShape.of(resolve_model(ARCHS["hybrid"]))
+    shape = KvShape.of(resolve_model(ARCHS["hybrid"]), cell["float32_state"])
     expected = sum(math.ceil(t / shape.block_tokens) * shape.block_bytes * len(shape.windowed) + shape.state_bytes
                    for t in taken if t > 0)
     assert cell["transfers"] == sum(t > 0 for t in taken) and cell["transfers_failed"] == cell["recomputed"] == 0, \
