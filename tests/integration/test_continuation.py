@@ -1,6 +1,6 @@
 """A stream continued by the front after its instance died equals an uninterrupted run, token by token.
 
-On one write-mode deployment with the front (instances restarted on failure), every case is put in
+On the shared write deployment (pool.py: the front, instances restarted on failure), every case is put in
 flight at once as a concurrent stream, D is SIGKILLed once while all of them are mid-stream, and
 each stream, continued on P, is compared with the same request served uninterrupted by the
 deployment once D is back. The cases: max_tokens absent (a completion: vLLM's 16; a chat: up to
@@ -24,11 +24,11 @@ import requests
 from pdserve.compare import compare_greedy, parse_stream
 from pdserve.launch.samples import metric, parse_samples
 from pdserve.launch.supervisor import State
-from tests.integration.pd_helpers import metrics, model_name, pd_cluster
+from tests.integration.pd_helpers import metrics, model_name
+from tests.integration.pool import shared
 
 pytestmark = pytest.mark.integration
 
-PORT = 28700  # 28700-28720
 RESTART_DEADLINE = 600
 MAX_MODEL_LEN = 4096  # pd_helpers.options: UpOptions' default
 LONG_MESSAGE = "hello " * 1900  # ~3,820 prompt tokens: a chat without max_tokens ends ~270 tokens later
@@ -36,10 +36,7 @@ PROMPT = [17, 230, 1999, 42, 7, 301, 88, 1234, 5, 66]
 TOKENS_BEFORE_KILL = 2  # each stream has at least this many tokens (each choice one) when D is killed
 
 
-@pytest.fixture(scope="module")
-def front_write():
-    with pd_cluster("write", 28700, front=True, restart="on-failure") as c:
-        yield c
+front_write = shared("pd-write")
 
 
 @dataclass
