@@ -57,6 +57,7 @@ def patch_input_processor(processor_class: type) -> bool:
         left_out(mismatch)
         return False
     init, process_inputs = processor_class.__init__, processor_class.process_inputs
+    from vllm.exceptions import VLLMValidationError  # _unexpected checked it is there
 
     @functools.wraps(init)
     def __init__(self, vllm_config, *args, **kwargs):
@@ -67,8 +68,8 @@ def patch_input_processor(processor_class: type) -> bool:
     def checked_process_inputs(self, *args, **kwargs):
         request = process_inputs(self, *args, **kwargs)
         refusal = seeded_refusal(self.vllm_config, request.sampling_params, _num_prompt_tokens(request))
-        if refusal is not None:
-            raise ValueError(refusal)  # vLLM answers a ValueError from here with HTTP 400
+        if refusal is not None:  # vLLM answers its validation error with HTTP 400 (anything else: 500)
+            raise VLLMValidationError(refusal, parameter="seed", value=request.sampling_params.seed)
         return request
 
     processor_class.__init__ = __init__
@@ -162,6 +163,10 @@ def _on_cpu() -> bool:
 
 def _unexpected(processor_class: type) -> str | None:
     """Why the wrapping does not fit `processor_class`, or None when it does."""
+    try:
+        from vllm.exceptions import VLLMValidationError  # noqa: F401 - what vLLM answers with HTTP 400
+    except ImportError as error:
+        return f"vllm.exceptions.VLLMValidationError does not import ({error})"
     if not callable(getattr(processor_class, "process_inputs", None)):
         return f"{processor_class.__name__}.process_inputs is missing"
     try:

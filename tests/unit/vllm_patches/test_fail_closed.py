@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import input_processor
 from vllm.v1.worker import gpu_model_runner
 
@@ -109,8 +110,9 @@ def test_with_seeded_sampling_in_place_nothing_is_refused(seeded):
     assert admission.seeded_refusal(config(), seeded, PROMPT_TOKENS) is None
 
 
-def test_the_admission_wrap_answers_a_refused_request_with_a_value_error(without_runner, seeded):
-    """vLLM's API server answers a ValueError from process_inputs with HTTP 400."""
+def test_the_admission_wrap_answers_a_refused_request_with_vllms_validation_error(without_runner, seeded):
+    """vLLM's API server answers its VLLMValidationError from process_inputs with HTTP 400 (a plain
+    ValueError there becomes a 500)."""
 
     class Processor:
         def __init__(self, vllm_config):
@@ -121,7 +123,7 @@ def test_the_admission_wrap_answers_a_refused_request_with_a_value_error(without
 
     assert admission.patch_input_processor(Processor) is True
     processor = Processor(config())
-    with pytest.raises(ValueError, match="pdserve refuses seeded sampling for this request"):
+    with pytest.raises(VLLMValidationError, match="pdserve refuses seeded sampling for this request"):
         processor.process_inputs("r0", list(range(PROMPT_TOKENS)), seeded)
     request = processor.process_inputs("r1", list(range(PROMPT_TOKENS)), SamplingParams(temperature=1.0))
     assert request.prompt_token_ids == list(range(PROMPT_TOKENS))
