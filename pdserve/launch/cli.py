@@ -105,6 +105,10 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
                    help="adaptive mode, one prefill instance: while decode's streams are loaded (their mean ITL "
                         "near the ITL target) it registers with the router as a decode instance too and serves "
                         "the requests sent to it whole (for decode-heavy traffic)")
+    p.add_argument("--kv-verify", choices=("digest", "off"), default=None,
+                   help="PD modes: digest - decode checks a CRC-32 of every KV block it receives against "
+                        "prefill's and recomputes on a mismatch; off - no check (default: the connector's, "
+                        "digest for KV in host memory)")
     p.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
                    help="once healthy, a process that dies is restarted (backoff 1 s doubling to 30 s) or, "
                         "with never, everything is stopped and pdserve exits non-zero")
@@ -124,6 +128,7 @@ def options_from(args: argparse.Namespace) -> UpOptions:
                      drain_timeout=args.drain_timeout, prefill_budget=args.prefill_budget,
                      decode_budget=args.decode_budget, itl_target_ms=args.itl_target_ms,
                      max_step_ms=args.max_step_ms, slo=args.slo, serve_decode=args.prefill_serves_decode,
+                     kv_verify=args.kv_verify,
                      num_prefill=args.num_prefill, num_decode=args.num_decode, prefill_tp=args.prefill_tp,
                      decode_tp=args.decode_tp)
 

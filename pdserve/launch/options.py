@@ -71,6 +71,7 @@ class UpOptions:
     max_step_ms: float | None = None  # ... and while one chunk step takes no longer than this
     slo: str | None = None  # adaptive placement: the declared SLO, instead of the two above (placement/slo_targets.py)
     serve_decode: bool = False  # adaptive placement: the prefill instance serves whole requests too
+    kv_verify: str | None = None  # the connector's kv_verify, "digest" | "off" (None: its default)
     num_prefill: int = 1
     num_decode: int = 1
     prefill_tp: int = 1
@@ -100,6 +101,10 @@ class UpOptions:
                              ("decode chunk", self.decode_chunk), ("prefill chunk", self.prefill_chunk)):
             if budget is not None and not 16 <= budget <= 1 << 20:
                 raise ConfigError(f"{name} budget {budget} is not a token count in 16..{1 << 20}")
+        if self.kv_verify not in (None, "digest", "off"):
+            raise ConfigError(f"--kv-verify: digest or off (got {self.kv_verify!r})")
+        if self.kv_verify is not None and self.mode in ("collocated", "round-robin", "nixl"):
+            raise ConfigError(f"--kv-verify: pdserve's PD modes only (PDConnector moves KV), not {self.mode}")
         if self.serve_decode and self.mode != "adaptive":
             raise ConfigError(f"--prefill-serves-decode: only in adaptive mode (WRITE), not {self.mode}")
         if self.serve_decode and self.num_prefill != 1:

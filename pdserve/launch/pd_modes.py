@@ -153,6 +153,8 @@ def pd_deployment(options: UpOptions, mode: str, connector_extra: dict | None = 
                   by_name: bool = False) -> Deployment:
     """The xPyD deployment of `options.num_prefill` P and `options.num_decode` D instances;
     `connector_extra` goes into every instance's kv_connector_extra_config."""
+    if options.kv_verify is not None:
+        connector_extra = {"kv_verify": options.kv_verify, **(connector_extra or {})}
     ports = PortLayout(options.port, options.num_prefill, options.num_decode, options.prefill_tp, options.decode_tp)
     if ports.last + 1 > 65535:
         raise ConfigError(f"{ports.num_instances} PD instances from port {options.port} need ports up to "

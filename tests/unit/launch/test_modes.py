@@ -1,3 +1,4 @@
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -6,6 +7,7 @@ import pytest
 from pdserve.cli import build_parser
 from pdserve.errors import ConfigError
 from pdserve.launch import Deployment, UpOptions, plain_instance, plan, register
+from pdserve.launch.cli import options_from
 from pdserve.launch.modes import MODES, known_modes, mode_descriptions
 from pdserve.launch.options import GIB, parse_bytes
 from pdserve.launch.shm_namespace import HEADROOM_BYTES
@@ -163,3 +165,16 @@ def test_adaptive_can_declare_the_slo_it_serves():
         UpOptions(mode="adaptive", slo="ttft<500", max_step_ms=50)
     with pytest.raises(ConfigError, match="not of the form metric<ms"):
         UpOptions(mode="adaptive", slo="ttft=500")
+
+
+@pytest.mark.parametrize("mode", ["write", "read", "adaptive", "adaptive-read"])
+def test_kv_verify_reaches_every_pd_instance_and_is_refused_elsewhere(mode):
+    options = options_from(build_parser().parse_args(["up", "--mode", mode, "--kv-verify", "off"]))
+    assert options.kv_verify == "off"
+    for instance in plan(options).instances:
+        config = json.loads(instance.extra_args[instance.extra_args.index("--kv-transfer-config") + 1])
+        assert config["kv_connector_extra_config"]["kv_verify"] == "off"
+    with pytest.raises(ConfigError, match="--kv-verify"):
+        UpOptions(mode="collocated", model="/m", kv_verify="off")
+    with pytest.raises(ConfigError, match="--kv-verify: digest or off"):
+        UpOptions(mode=mode, model="/m", kv_verify="sha")
