@@ -7,7 +7,7 @@ last message, so we re-send every `interval_s` from our own thread.
 
 That socket authenticates nothing, so instances never talk to it: they send a `Registration`
 through the control codec (HMAC over the deployment's secret, timestamp, nonce) to pdserve's
-registrar on the router's host (pdserve/launch/registrar/), which checks it and hands
+registrar on the router's host (pdserve/registrar/), which checks it and hands
 `router_map()` to the router's socket, bound to loopback there. A registrar that refuses our
 registrations because the two clocks differ by more than the skew window says so (a ClockSkew
 notice), and the heartbeat logs it here with the measured offset (clock_skew.py).

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pdserve.errors import LaunchError
 from pdserve.launch.env import private_dir, runs_dir
-from pdserve.launch.front.spec import DRAIN_GRACE_S, FrontSpec
+from pdserve.launch.front_spec import DRAIN_GRACE_S, FrontSpec
 from pdserve.launch.instance import InstanceSpec
 from pdserve.launch.modes import Deployment
 from pdserve.launch.options import RestartPolicy, check_restart_policy

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
-from pdserve.launch.front.spec import FrontSpec, direct_sources, fallback_sources
+from pdserve.launch.front_spec import FrontSpec, direct_sources, fallback_sources
 from pdserve.launch.instance import InstanceSpec
 from pdserve.launch.options import DEFAULT_HOST, UpOptions
 from pdserve.launch.router import RouterSpec

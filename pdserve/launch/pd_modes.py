@@ -23,7 +23,7 @@ ranks; instance i (prefill 0..N-1, then decode) has T_i ranks, and S_i = T_0 + .
     B+1 .. B+N             prefill instances' HTTP
     B+N+1 .. B+K           decode instances' HTTP
     B+K+1                  router Prometheus
-    B+K+2                  discovery: pdserve's registrar, where instances register (launch/registrar/)
+    B+K+2                  discovery: pdserve's registrar, where instances register (registrar/)
     B+K+3+2S_i ..          instance i's T_i handshake ports, then its T_i notify ports
     B+K+2R+3               the router's own discovery socket, which only the registrar reaches
 so 1P+1D is B, P B+1, D B+2, Prometheus B+3, discovery B+4, handshake/notify B+5..B+8, the
@@ -49,8 +49,8 @@ from pdserve.launch.cores import divide_cores, sharing_warning
 from pdserve.launch.env import cache_dir
 from pdserve.launch.modes import Deployment, plain_instance, register
 from pdserve.launch.options import UpOptions
-from pdserve.launch.registrar import RegistrarSpec
 from pdserve.launch.router import RouterSpec
+from pdserve.registrar import RegistrarSpec
 
 HOST = "127.0.0.1"
 

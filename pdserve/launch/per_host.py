@@ -7,7 +7,7 @@
 The router is vllm-router in PD mode with discovery, so it needs no list of URLs: instances
 register at the discovery address (`--router`), where pdserve's registrar takes only registrations
 signed with the deployment's secret and forwards them to the router's own discovery socket on
-127.0.0.1, the discovery port + 1 (launch/registrar/). Each instance is one `vllm serve` with
+127.0.0.1, the discovery port + 1 (registrar/). Each instance is one `vllm serve` with
 PDConnector whose HTTP, handshake and notify ports bind `--host-ip`; peers in `--allowed-peers`
 may reach them. With `--tp T` its rank r binds the handshake and notify ports + r: by default
 handshake port+1 .. port+T, notify port+T+1 .. port+2T. Every process of the deployment, the router included, must read the same
@@ -31,9 +31,9 @@ from pdserve.launch.arguments import is_hub_id
 from pdserve.launch.cores import omp_threads_bind
 from pdserve.launch.env import private_dir, runs_dir, vllm_env
 from pdserve.launch.options import check_tp, refuse_tp_flag
-from pdserve.launch.registrar import RegistrarSpec
 from pdserve.launch.router import router_binary
 from pdserve.launch.shm_namespace import confine
+from pdserve.registrar import RegistrarSpec
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 

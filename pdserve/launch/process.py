@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from pdserve.errors import LaunchError
 from pdserve.launch.shm_sweep import list_entries, sweep
+from pdserve.lifecycle import die_with_parent
 
 _ERROR_LINE = re.compile(r"error|exception|killed|cannot|failed", re.IGNORECASE)
 _PDSERVE_ERROR = re.compile(r"pdserve\.errors\.ConfigError: (.+)")  # a refusal of ours, raised inside vLLM
@@ -80,7 +80,7 @@ class ManagedProcess:
         try:
             self._popen = subprocess.Popen(
                 self.spec.argv, env={**os.environ, **self.spec.env}, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
             )
         except OSError as exc:
             raise LaunchError(f"cannot start {self.name} ({self.spec.argv[0]}): {exc}") from exc
@@ -156,11 +156,6 @@ class ManagedProcess:
         if self._shm_before is not None and not self.alive():
             sweep(self._shm_before, self.name)
             self._shm_before = None
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the launching thread dies (a safety net if pdserve is SIGKILLed)."""
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def group_members(pgid: int) -> list[int]:

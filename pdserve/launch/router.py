@@ -10,7 +10,7 @@ from pathlib import Path
 from pdserve.errors import LaunchError
 from pdserve.launch.instance import HOST
 from pdserve.launch.process import ProcessSpec
-from pdserve.launch.registrar import RegistrarSpec
+from pdserve.registrar import RegistrarSpec
 
 
 def router_binary() -> str:
@@ -29,7 +29,7 @@ class RouterSpec:
     ...` in extra_args. start_after_instances: start it once every instance answers /health
     (static workers); False starts it with the instances (discovery: instances register with it).
     registrar: discovery through pdserve's registrar, which then runs with the router as one
-    process (launch/registrar/) and gives the router its discovery flags.
+    process (registrar/) and gives the router its discovery flags.
     """
 
     port: int

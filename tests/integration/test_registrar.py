@@ -99,7 +99,7 @@ def run_instances(args) -> None:
     from pdserve.control.codec import Codec
     from pdserve.control.registration import RegistrationHeartbeat
     from pdserve.control.secret import load_secret
-    from tests.unit.launch.test_registrar_process import FakeWorker, UnsignedBeat, registration
+    from tests.unit.registrar.test_registrar_process import FakeWorker, UnsignedBeat, registration
 
     host, port = args.registrar.rsplit(":", 1)
     for worker_port in (*SIGNED.values(), *UNSIGNED.values(), *WRONG_SECRET.values()):
@@ -118,7 +118,7 @@ def run_instances(args) -> None:
 
 def run_forge(args) -> None:
     """Bare registrations of a prefill instance at `--worker`, sent to `--to`, until killed."""
-    from tests.unit.launch.test_registrar_process import UnsignedBeat, registration
+    from tests.unit.registrar.test_registrar_process import UnsignedBeat, registration
 
     host, port = args.to.rsplit(":", 1)
     worker_host, worker_port = args.worker.rsplit(":", 1)

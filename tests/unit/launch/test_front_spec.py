@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launch.front.__main__ import parse_args
-from pdserve.launch.front.config import FrontConfig, Limits, Upstream
-from pdserve.launch.front.spec import FrontSpec, direct_sources
+from pdserve.front.__main__ import parse_args
+from pdserve.front.config import FrontConfig, Limits, Upstream
+from pdserve.launch.front_spec import FrontSpec, direct_sources
 from pdserve.launch.instance import InstanceSpec
 from pdserve.launch.modes import Deployment, with_front
 from pdserve.launch.router import RouterSpec
@@ -22,7 +22,7 @@ SPEC = FrontSpec(8000, ("router", "http://127.0.0.1:8010"), (("prefill", "http:/
 
 def test_the_command_line_carries_the_whole_config():
     argv = SPEC.process_spec(Path("/run")).argv
-    assert argv[1:3] == ("-m", "pdserve.launch.front")
+    assert argv[1:3] == ("-m", "pdserve.front")
     config = parse_args(list(argv[3:]))
     assert config == FrontConfig("0.0.0.0", 8000, Upstream("router", "127.0.0.1", 8010),
                                  (Upstream("prefill", "127.0.0.1", 8001), Upstream("decode", "127.0.0.1", 8002)),

@@ -103,7 +103,7 @@ def test_every_mode_gets_a_front_on_the_client_port(mode):
     assert d.front.direct_sources == tuple((i.name, i.url) for i in d.instances if i.role == "decode")
     assert len(set(d.ports)) == len(d.ports) and all(18500 <= p < 18516 for p in d.ports)
     argv = d.front.process_spec(Path("/r")).argv
-    assert argv[1:3] == ("-m", "pdserve.launch.front") and "--drain-timeout" in argv and d.backend.url in " ".join(argv)
+    assert argv[1:3] == ("-m", "pdserve.front") and "--drain-timeout" in argv and d.backend.url in " ".join(argv)
 
 
 def test_drain_timeout_is_checked():

@@ -31,7 +31,7 @@ def test_the_router_runs_pd_mode_behind_a_registrar_on_its_host_ip(tmp_path):
     secret.write_bytes(b"k" * 32)
     argv = router_command(RouterOptions("10.200.0.1", 30000, secret_file=secret))
     registrar, router = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    assert registrar[1:3] == ["-m", "pdserve.launch.registrar"]
+    assert registrar[1:3] == ["-m", "pdserve.registrar"]
     assert (option(registrar, "--listen"), option(registrar, "--secret-file")) == ("10.200.0.1:30002", str(secret))
     assert option(registrar, "--router-port") == "30003"
     assert option(router, "--host") == "10.200.0.1" and "--vllm-pd-disaggregation" in router

@@ -1,4 +1,4 @@
-"""`python -m pdserve.launch.front`: the front process `pdserve up` runs on the client port.
+"""`python -m pdserve.front`: the front process `pdserve up` runs on the client port.
 
 SIGTERM or SIGINT starts the drain; the process exits 0 once it is over (see server.py).
 """
@@ -14,16 +14,16 @@ import signal
 import sys
 
 from pdserve.errors import ConfigError
-from pdserve.launch.front.config import FrontConfig, Limits, Upstream, limit_flag
-from pdserve.launch.front.server import FrontServer
+from pdserve.front.config import FrontConfig, Limits, Upstream, limit_flag
+from pdserve.front.server import FrontServer
 
-logger = logging.getLogger("pdserve.launch.front")
+logger = logging.getLogger("pdserve.front")
 FILES_PER_CONNECTION = 3  # a client connection served, one waiting, one to the upstream
 SPARE_FILES = 64
 
 
 def parse_args(argv: list[str] | None = None) -> FrontConfig:
-    p = argparse.ArgumentParser(prog="python -m pdserve.launch.front", description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.front", description=__doc__.split("\n", 1)[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--upstream", required=True, metavar="NAME=URL", help="where requests go, e.g. router=http://...")

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from pdserve.launch.front.config import FrontConfig, Limits, Upstream
-from pdserve.launch.front.server import FrontServer
+from pdserve.front.config import FrontConfig, Limits, Upstream
+from pdserve.front.server import FrontServer
 
 MODELS = {"object": "list", "data": [{"id": "/models/tiny", "object": "model"}]}
 VLLM_404 = {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError", "param": None,

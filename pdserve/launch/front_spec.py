@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.launch.front.config import Limits, limit_flag
+from pdserve.front.config import Limits, limit_flag
 from pdserve.launch.instance import HOST, InstanceSpec
 from pdserve.launch.process import ProcessSpec
 
@@ -43,7 +43,7 @@ class FrontSpec:
         return f"http://{_reachable(self.host)}:{self.port}"
 
     def process_spec(self, run_dir: Path) -> ProcessSpec:
-        argv = [sys.executable, "-m", "pdserve.launch.front", "--host", self.host, "--port", str(self.port),
+        argv = [sys.executable, "-m", "pdserve.front", "--host", self.host, "--port", str(self.port),
                 "--upstream", "=".join(self.upstream), "--drain-timeout", str(self.drain_timeout)]
         for source in self.model_sources:
             argv += ["--models-from", "=".join(source)]

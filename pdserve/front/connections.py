@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from pdserve.launch.front.exchange import RelayBrokeOff
-from pdserve.launch.front.openai_error import OpenAIError
+from pdserve.front.exchange import RelayBrokeOff
+from pdserve.front.openai_error import OpenAIError
 
 logger = logging.getLogger(__name__)
 

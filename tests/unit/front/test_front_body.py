@@ -7,10 +7,10 @@ import json
 import pytest
 import requests
 
-from pdserve.launch.front.body import MAX_SEQUENCES, BodyRefused, RequestBody
-from tests.unit.launch.fake_upstream import running
-from tests.unit.launch.test_front import openai_error
-from tests.unit.launch.test_front_fallback import instance_up, wait_for
+from pdserve.front.body import MAX_SEQUENCES, BodyRefused, RequestBody
+from tests.unit.front.fake_upstream import running
+from tests.unit.front.test_front import openai_error
+from tests.unit.front.test_front_fallback import instance_up, wait_for
 
 BASE = 27160  # 27160-27179
 

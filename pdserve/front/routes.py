@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import itertools
 
-from pdserve.launch.front.body import RequestBody
-from pdserve.launch.front.config import Upstream
-from pdserve.launch.front.instances import InstancePool
-from pdserve.launch.front.metrics import ROUTED_AROUND, FrontMetrics
+from pdserve.front.body import RequestBody
+from pdserve.front.config import Upstream
+from pdserve.front.instances import InstancePool
+from pdserve.front.metrics import ROUTED_AROUND, FrontMetrics
 
 COMPLETIONS_PATH = "/v1/completions"
 

@@ -11,9 +11,9 @@ import pytest
 import requests
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from pdserve.launch.front.headers import forbidden_header
-from tests.unit.launch.fake_upstream import running
-from tests.unit.launch.test_front import openai_error
+from pdserve.front.headers import forbidden_header
+from tests.unit.front.fake_upstream import running
+from tests.unit.front.test_front import openai_error
 
 BASE = 27130  # 27130-27149
 

@@ -22,11 +22,11 @@ What remains open: any process on the router's host can reach the loopback socke
 HTTP ports of the front, the router and the instances are unauthenticated, as vLLM's own are
 (keep them behind your network policy); whoever reads the secret file can register anything.
 
-The registrar is a process that runs vllm-router as its child (`python -m pdserve.launch.registrar`,
+The registrar is a process that runs vllm-router as its child (`python -m pdserve.registrar`,
 __main__.py; spec.py builds its argv), so launchers start, supervise, restart and stop the two as one.
 """
 
-from pdserve.launch.registrar.forwarder import Registrar
-from pdserve.launch.registrar.spec import LOOPBACK, RegistrarSpec
+from pdserve.registrar.forwarder import Registrar
+from pdserve.registrar.spec import LOOPBACK, RegistrarSpec
 
 __all__ = ["LOOPBACK", "Registrar", "RegistrarSpec"]

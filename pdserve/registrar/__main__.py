@@ -1,4 +1,4 @@
-"""`python -m pdserve.launch.registrar --listen HOST:PORT --router-port N --secret-file F -- ROUTER...`
+"""`python -m pdserve.registrar --listen HOST:PORT --router-port N --secret-file F -- ROUTER...`
 
 Runs vllm-router (the command after `--`, whose discovery socket binds 127.0.0.1:N) as its child
 and the registrar in front of it, so a launcher starts, supervises and stops the two as one process
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pdserve.control.secret import load_secret
 from pdserve.errors import ConfigError
-from pdserve.launch.process import _die_with_parent
-from pdserve.launch.registrar.forwarder import Registrar
+from pdserve.lifecycle import die_with_parent
+from pdserve.registrar.forwarder import Registrar
 
 logger = logging.getLogger("pdserve.registrar")
 
@@ -32,7 +32,7 @@ POLL_S = 0.2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.launch.registrar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.registrar", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="where instances register")
     parser.add_argument("--router-port", required=True, type=int, help="the router's discovery port on 127.0.0.1")
     parser.add_argument("--secret-file", type=Path, help="the deployment's secret (default: $PDSERVE_SECRET_FILE)")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(registrar: Registrar, router_argv: list[str], stopping: threading.Event) -> int:
     try:
-        router = subprocess.Popen(router_argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        router = subprocess.Popen(router_argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     except OSError as e:
         print(f"pdserve registrar: cannot start the router ({router_argv[0]}): {e}", file=sys.stderr)
         return 1

@@ -21,10 +21,10 @@ import socket
 from aiohttp import web
 
 from pdserve.errors import LaunchError
-from pdserve.launch.front.config import FrontConfig
-from pdserve.launch.front.connections import Connections, ConnectionSlots
-from pdserve.launch.front.exchange import Exchange
-from pdserve.launch.front.openai_error import OpenAIError
+from pdserve.front.config import FrontConfig
+from pdserve.front.connections import Connections, ConnectionSlots
+from pdserve.front.exchange import Exchange
+from pdserve.front.openai_error import OpenAIError
 
 DRAINING_MESSAGE = "pdserve is shutting down: new requests are refused while the ones in flight finish"
 LINGER_S = 2.0  # after an answer to a request not read whole (413, 408), how long its rest is read and dropped

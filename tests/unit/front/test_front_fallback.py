@@ -10,14 +10,14 @@ import time
 import pytest
 import requests
 
-from pdserve.launch.front.body import RequestBody
-from pdserve.launch.front.config import Upstream
-from pdserve.launch.front.instances import InstancePool
-from pdserve.launch.front.metrics import FrontMetrics
-from pdserve.launch.front.routes import Routes
+from pdserve.front.body import RequestBody
+from pdserve.front.config import Upstream
+from pdserve.front.instances import InstancePool
+from pdserve.front.metrics import FrontMetrics
+from pdserve.front.routes import Routes
 from pdserve.launch.samples import parse_samples
-from tests.unit.launch.fake_upstream import running, serve_raw
-from tests.unit.launch.test_front import openai_error
+from tests.unit.front.fake_upstream import running, serve_raw
+from tests.unit.front.test_front import openai_error
 
 BASE = 27400  # 27400-27454: a test's front on BASE + 5k, its fakes on the 4 ports after it
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 4}
@@ -214,7 +214,7 @@ def test_routes_go_around_a_down_instance_for_echo_with_logprobs_too():
 
 
 def test_an_instance_answering_its_probes_late_is_down_only_after_several(monkeypatch):
-    from pdserve.launch.front import instances as pool_module
+    from pdserve.front import instances as pool_module
 
     monkeypatch.setattr(pool_module, "PROBE_TIMEOUT_S", 0.2)
     with running(BASE + 50, instances=instances(BASE + 50)) as run:

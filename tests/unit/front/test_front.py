@@ -12,9 +12,9 @@ import time
 import pytest
 import requests
 
-from pdserve.launch.front.server import DRAINING_MESSAGE, State
+from pdserve.front.server import DRAINING_MESSAGE, State
 from pdserve.launch.ports import port_free
-from tests.unit.launch.fake_upstream import MODELS, VLLM_404, running
+from tests.unit.front.fake_upstream import MODELS, VLLM_404, running
 
 BASE = 27100  # 27100-27131
 
@@ -206,7 +206,7 @@ def test_drain_cuts_off_what_outlives_its_deadline():
 def test_the_front_process_drains_on_sigterm_and_exits():
     with running(BASE + 16) as run:  # its fake upstream, on BASE + 17, serves the process below
         port = BASE + 18
-        front = subprocess.Popen([sys.executable, "-m", "pdserve.launch.front", "--port", str(port),
+        front = subprocess.Popen([sys.executable, "-m", "pdserve.front", "--port", str(port),
                                   "--upstream", f"router=http://127.0.0.1:{run.upstream.port}",
                                   "--models-from", f"a=http://127.0.0.1:{run.upstream.port}", "--drain-timeout", "10"],
                                  stderr=subprocess.PIPE, text=True)

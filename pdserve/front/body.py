@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.launch.front.openai_error import OpenAIError
+from pdserve.front.openai_error import OpenAIError
 
 INTERNAL_MEMBERS = frozenset({"kv_transfer_params"})
 MAX_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default (sampling_params._verify_num_sequences)

@@ -23,8 +23,8 @@ import logging
 
 import aiohttp
 
-from pdserve.launch.front.config import Upstream
-from pdserve.launch.front.metrics import INSTANCE_UP, FrontMetrics
+from pdserve.front.config import Upstream
+from pdserve.front.metrics import INSTANCE_UP, FrontMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.launch.front.body import RequestBody, encode, integer, malformed
+from pdserve.front.body import RequestBody, encode, integer, malformed
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

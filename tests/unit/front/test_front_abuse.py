@@ -27,7 +27,7 @@ import pytest
 import requests
 from aiohttp import web
 
-from tests.unit.launch.test_front_limits import _enough_files
+from tests.unit.front.test_front_limits import _enough_files
 
 BASE = 27180  # 27180-27199: a test's front on BASE + 2k, its stub on the port after it
 MAX_LATENESS_S = 0.1
@@ -118,7 +118,7 @@ def front(port: int, *flags: str, source: Path = ROOT) -> Iterator[Front]:
     observer.start()
     assert ours.poll(30) and ours.recv() == "serving"
     with log.open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "pdserve.launch.front", "--port", str(port), "--upstream",
+        process = subprocess.Popen([sys.executable, "-m", "pdserve.front", "--port", str(port), "--upstream",
                                     f"router={instance}", "--models-from", f"decode={instance}", "--fallback-to",
                                     f"decode={instance}", "--drain-timeout", "0", *flags], cwd=source, stdout=out,
                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(source)})

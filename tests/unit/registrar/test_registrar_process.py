@@ -200,7 +200,7 @@ def test_bad_arguments_and_a_taken_port_are_one_line_each(tmp_path: Path):
     secret.write_bytes(b"k" * 32)
 
     def run(*args: str) -> tuple[int, list[str]]:
-        done = subprocess.run([sys.executable, "-m", "pdserve.launch.registrar", *args, "--", "true"],
+        done = subprocess.run([sys.executable, "-m", "pdserve.registrar", *args, "--", "true"],
                               capture_output=True, text=True, timeout=60)
         return done.returncode, done.stderr.strip().splitlines()
 

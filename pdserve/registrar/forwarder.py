@@ -11,7 +11,7 @@ from pdserve.control.codec import Codec
 from pdserve.control.endpoint import Server, tcp_endpoint
 from pdserve.control.limits import MAX_REGISTRATION_FRAME_BYTES
 from pdserve.control.registration import Registration
-from pdserve.launch.registrar.spec import LOOPBACK
+from pdserve.registrar.spec import LOOPBACK
 
 logger = logging.getLogger("pdserve.registrar")
 

@@ -30,15 +30,15 @@ import yarl
 from aiohttp import web
 from multidict import CIMultiDict
 
-from pdserve.launch.front.body import BodyRefused, RequestBody
-from pdserve.launch.front.config import FrontConfig, Upstream
-from pdserve.launch.front.continuation import COMPLETIONS, Follow
-from pdserve.launch.front.headers import forbidden_header, request_headers, response_headers
-from pdserve.launch.front.instances import InstancePool
-from pdserve.launch.front.intake import Intake, RequestRefused
-from pdserve.launch.front.metrics import CONTENT_TYPE, CONTINUED, FAILED_NO_INSTANCE, RETRIED, FrontMetrics
-from pdserve.launch.front.openai_error import ErrorBody, OpenAIError, from_upstream
-from pdserve.launch.front.routes import Routes
+from pdserve.front.body import BodyRefused, RequestBody
+from pdserve.front.config import FrontConfig, Upstream
+from pdserve.front.continuation import COMPLETIONS, Follow
+from pdserve.front.headers import forbidden_header, request_headers, response_headers
+from pdserve.front.instances import InstancePool
+from pdserve.front.intake import Intake, RequestRefused
+from pdserve.front.metrics import CONTENT_TYPE, CONTINUED, FAILED_NO_INSTANCE, RETRIED, FrontMetrics
+from pdserve.front.openai_error import ErrorBody, OpenAIError, from_upstream
+from pdserve.front.routes import Routes
 
 logger = logging.getLogger(__name__)
 

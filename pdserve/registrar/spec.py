@@ -25,6 +25,6 @@ class RegistrarSpec:
         """The argv that runs the registrar with `router_argv` (vllm-router in PD mode, without a
         discovery address: this adds it) as its child."""
         listen = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
-        return (sys.executable, "-m", "pdserve.launch.registrar", "--listen", f"{listen}:{self.listen_port}",
+        return (sys.executable, "-m", "pdserve.registrar", "--listen", f"{listen}:{self.listen_port}",
                 "--router-port", str(self.router_port), "--secret-file", str(self.secret_file), "--", *router_argv,
                 "--vllm-discovery-address", f"{LOOPBACK}:{self.router_port}")

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from pdserve.launch.front.config import Limits
-from pdserve.launch.front.openai_error import OpenAIError
+from pdserve.front.config import Limits
+from pdserve.front.openai_error import OpenAIError
 
 
 class RequestRefused(Exception):

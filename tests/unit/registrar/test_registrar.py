@@ -15,7 +15,7 @@ import pdserve.control.codec as codec_module
 from pdserve.control.codec import Codec
 from pdserve.control.messages import Ping
 from pdserve.control.registration import Registration
-from pdserve.launch.registrar import Registrar
+from pdserve.registrar import Registrar
 
 SECRET = b"s" * 32
 GOOD = Registration("D", "127.0.0.1:8200", "host:127.0.0.1,handshake:6302,notify:6402", "READ")

@@ -6,5 +6,5 @@ It exists for what vllm-router 0.1.17 does not do: answer GET /v1/models in PD d
 (config.Limits, connections.py, intake.py), keep what only pdserve sets out of what clients send
 (body.py, headers.py), and drain on SIGTERM (server.py). Everything else passes through,
 streams piece by piece, on kept-alive connections at both ends (aiohttp's HTTP/1.1 server and
-client). The launcher's side of it (FrontSpec: where it listens, what it fronts) is in spec.py.
+client). The launcher's side of it (FrontSpec: where it listens, what it fronts) is pdserve/launch/front_spec.py.
 """

@@ -6,9 +6,9 @@ import json
 import pytest
 import requests
 
-from pdserve.launch.front.body import RequestBody
-from pdserve.launch.front.routes import merge_unsafe
-from tests.unit.launch.fake_upstream import running
+from pdserve.front.body import RequestBody
+from pdserve.front.routes import merge_unsafe
+from tests.unit.front.fake_upstream import running
 
 BASE = 27150  # 27150-27159
 ECHO = {"model": "m", "prompt": "hi", "echo": True, "logprobs": 1}
