@@ -18,7 +18,6 @@ import requests
 from pdserve.compare import compare_greedy, fetch_greedy, parse_choice
 from pdserve.launch.env import runs_dir
 from pdserve.launch.process import group_members
-from pdserve.model.build import resolve_model
 from tests.integration.conftest import PROMPTS
 from tests.integration.openai_checks import check_error_shapes, check_openai_client, wait_routable
 from tests.integration.pd_helpers import LOG_DIR
@@ -27,6 +26,7 @@ from tests.integration.port_check import still_bound
 pytestmark = pytest.mark.integration
 
 PORT = 27200  # 27200-27209
+MODEL = "tiny"  # `pdserve up --model tiny` serves the built-in model under the name it was given
 BURST = PROMPTS + [f"Story {i}: the lantern and the river" for i in range(6)]  # 16 prompts
 BURST_TOKENS = 160  # long enough that the burst is still decoding when SIGTERM arrives
 DRAIN_TIMEOUT = 180
@@ -63,7 +63,7 @@ def up(tmp_path_factory):
             time.sleep(0.5)
         process.endpoint = ready.read_text().strip()
         process.groups = children(process.pid)
-        wait_routable(process.endpoint, str(resolve_model("tiny")))
+        wait_routable(process.endpoint, MODEL)
         yield process
     finally:
         if process.poll() is None:
@@ -76,11 +76,11 @@ def up(tmp_path_factory):
 
 
 def test_openai_client_lists_the_model_and_streams_max_tokens(up):
-    check_openai_client(up.endpoint, str(resolve_model("tiny")))
+    check_openai_client(up.endpoint, MODEL)
 
 
 def test_errors_are_openai_shaped_and_name_the_cause(up):
-    check_error_shapes(up.endpoint, str(resolve_model("tiny")))
+    check_error_shapes(up.endpoint, MODEL)
 
 
 @dataclass
@@ -117,7 +117,7 @@ def stream_greedy(endpoint: str, model: str, prompt: str, out: Streamed) -> None
 
 
 def test_sigterm_during_a_burst_finishes_what_started_and_stops_everything(up):
-    model = str(resolve_model("tiny"))
+    model = MODEL
     reference = fetch_greedy(up.endpoint, BURST, max_tokens=BURST_TOKENS, concurrency=4, model=model)
     results = [Streamed() for _ in BURST]
     threads = [threading.Thread(target=stream_greedy, args=(up.endpoint, model, p, r)) for p, r in zip(BURST, results)]
