@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -135,17 +137,40 @@ class DeploymentPool:
             assert time.monotonic() < deadline, f"not back: {cluster.supervisor.states()}"
             time.sleep(1)
         name = next(n for n, c in self._running.items() if c is cluster)
-        if self._restarts.get(name, 0) == sum(cluster.restarts.values()):
+        if self._restarts.get(name, 0) != sum(cluster.restarts.values()):
+            wait_disaggregated(cluster, deadline)
+
+
+def kill(cluster: Cluster, name: str) -> int:
+    """SIGKILL the process group of instance `name` (the supervisor restarts it); its old pid."""
+    pid = next(p for p in cluster.instances if p.name == name).pid
+    os.killpg(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_back(cluster: Cluster, name: str, killed: int) -> None:
+    """Until the supervisor restarted `name` (killed as pid `killed`) and KV moves to D again."""
+    process = next(p for p in cluster.instances if p.name == name)
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while not (process.pid != killed and cluster.supervisor.states()[name] is State.RUNNING):
+        assert time.monotonic() < deadline, f"{name} not back: {cluster.supervisor.states()}"
+        assert cluster.failure is None, cluster.failure
+        time.sleep(1)
+    wait_disaggregated(cluster, deadline)
+
+
+def wait_disaggregated(cluster: Cluster, deadline: float) -> None:
+    """Until a request through the endpoint moves KV to D (the front routes around an instance
+    until its probe sees it, the router until it registers)."""
+    probe = [list(range(100, 400))]  # a few blocks' KV to move
+    while True:
+        before = _kv_bytes(cluster.decode_url)
+        with contextlib.suppress(Exception):
+            greedy(cluster.endpoint, cluster, probe)
+        if _kv_bytes(cluster.decode_url) > before >= 0:
             return
-        probe = [list(range(100, 400))]  # a few blocks' KV to move
-        while True:
-            before = _kv_bytes(cluster.decode_url)
-            with contextlib.suppress(Exception):
-                greedy(cluster.endpoint, cluster, probe)
-            if _kv_bytes(cluster.decode_url) > before >= 0:
-                return
-            assert time.monotonic() < deadline, "the router path never came back"
-            time.sleep(1)
+        assert time.monotonic() < deadline, "the router path never came back"
+        time.sleep(1)
 
 
 def _kv_bytes(url: str) -> float:

@@ -9,7 +9,6 @@ instance is used through the router again."""
 
 import json
 import os
-import signal
 import time
 
 import pytest
@@ -19,23 +18,20 @@ from pdserve.compare import compare_greedy, fetch_greedy, parse_stream
 from pdserve.launch import UpOptions
 from pdserve.launch.process import group_members
 from pdserve.launch.samples import metric, parse_samples
-from pdserve.launch.supervisor import State
 from tests.integration.pd_helpers import (
     MAX_TOKENS,
     collocated_reference,
     greedy,
-    metrics,
     model_name,
     prompts,
     reference_server,
 )
-from tests.integration.pool import shared
+from tests.integration.pool import kill, shared, wait_back
 
 pytestmark = pytest.mark.integration
 
 PROMPTS = prompts(8, seed=77)
 LONG = 200  # tokens of the stream broken mid-way
-RESTART_DEADLINE = 600
 
 
 @pytest.fixture(scope="module")
@@ -53,31 +49,6 @@ cluster = shared("pd-write")
 
 def front_metrics(cluster) -> dict[str, float]:
     return parse_samples(requests.get(f"{cluster.endpoint}/metrics", timeout=10).text)
-
-
-def kill(cluster, name: str) -> int:
-    process = next(p for p in cluster.instances if p.name == name)
-    pid = process.pid
-    os.killpg(pid, signal.SIGKILL)
-    return pid
-
-
-def wait_back(cluster, name: str, killed: int) -> None:
-    """Until the supervisor restarted `name` and a request through the router moves KV to D again."""
-    process = next(p for p in cluster.instances if p.name == name)
-    deadline = time.monotonic() + RESTART_DEADLINE
-    while not (process.pid != killed and cluster.supervisor.states()[name] is State.RUNNING):
-        assert time.monotonic() < deadline, f"{name} not back: {cluster.supervisor.states()}"
-        assert cluster.failure is None, cluster.failure
-        time.sleep(1)
-    decode = cluster.instance_urls["decode"]
-    while True:
-        before = metric(metrics(decode), "pdserve:kv_transfer_bytes_total")
-        greedy(cluster.endpoint, cluster, PROMPTS[:2])
-        if metric(metrics(decode), "pdserve:kv_transfer_bytes_total") > before:
-            return  # disaggregated again
-        assert time.monotonic() < deadline, "the router path never came back"
-        time.sleep(1)
 
 
 def test_decode_killed_mid_stream_continues_on_prefill(cluster, reference):

@@ -12,8 +12,6 @@ event naming them after the tokens an uninterrupted run gives, never with other 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,13 +21,11 @@ import requests
 
 from pdserve.compare import compare_greedy, parse_stream
 from pdserve.launch.samples import metric, parse_samples
-from pdserve.launch.supervisor import State
-from tests.integration.pd_helpers import metrics, model_name
-from tests.integration.pool import shared
+from tests.integration.pd_helpers import model_name
+from tests.integration.pool import kill, shared, wait_back
 
 pytestmark = pytest.mark.integration
 
-RESTART_DEADLINE = 600
 MAX_MODEL_LEN = 4096  # pd_helpers.options: UpOptions' default
 LONG_MESSAGE = "hello " * 1900  # ~3,820 prompt tokens: a chat without max_tokens ends ~270 tokens later
 PROMPT = [17, 230, 1999, 42, 7, 301, 88, 1234, 5, 66]
@@ -123,31 +119,6 @@ def wait_until(condition, what: str, timeout: float = 120) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.005)
-
-
-def kill(cluster, name: str) -> int:
-    pid = next(p for p in cluster.instances if p.name == name).pid
-    os.killpg(pid, signal.SIGKILL)
-    return pid
-
-
-def wait_back(cluster, name: str, killed: int) -> None:
-    """Until the supervisor restarted `name` and a request through the router moves KV to D again."""
-    process = next(p for p in cluster.instances if p.name == name)
-    deadline = time.monotonic() + RESTART_DEADLINE
-    while not (process.pid != killed and cluster.supervisor.states()[name] is State.RUNNING):
-        assert time.monotonic() < deadline, f"{name} not back: {cluster.supervisor.states()}"
-        assert cluster.failure is None, cluster.failure
-        time.sleep(1)
-    decode = cluster.instance_urls["decode"]
-    body = {"model": model_name(cluster), "prompt": PROMPT, "max_tokens": 2}
-    while True:
-        before = metric(metrics(decode), "pdserve:kv_transfer_bytes_total")
-        requests.post(f"{cluster.endpoint}/v1/completions", json=body, timeout=120)
-        if metric(metrics(decode), "pdserve:kv_transfer_bytes_total") > before:
-            return  # disaggregated again
-        assert time.monotonic() < deadline, "the router path never came back"
-        time.sleep(1)
 
 
 def continued_total(cluster) -> float:
