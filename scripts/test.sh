@@ -10,7 +10,7 @@ bash "$root/scripts/bootstrap.sh"
 cd "$root"
 "$root/.venv/bin/ruff" check --quiet pdserve tests scripts
 "$root/.venv/bin/lint-imports" --no-cache >/dev/null || "$root/.venv/bin/lint-imports" --no-cache
-"$root/.venv/bin/python" -m pytest -q -ra -n 2 --durations=10 -m "not integration" tests/unit
+"$root/.venv/bin/python" -m pytest -q -ra -n 2 --dist worksteal --durations=10 -m "not integration" tests/unit
 if [ "${1:-}" = "--fast" ]; then
   exit 0
 fi

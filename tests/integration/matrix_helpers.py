@@ -12,6 +12,7 @@ PDConnector refuses at startup is recorded with the refusal's line, never skippe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -150,13 +151,27 @@ def reference(arch: str, prompts: list[list[int]], port: int, tp: int = 1) -> li
     itself, at its own size (only earlier tokens' KV comes from P), so numerics of another size
     would part from it at near-ties the comparison rule does not forgive (seen: a 0.19 gap parted at
     the 16th token against serving at TP 1)."""
-    options = UpOptions(mode="write", model=str(resolve_model(ARCHS[arch])), port=port, enforce_eager=True,
-                        decode_tp=tp, extra_vllm_args=ARCH_ARGS.get(arch, ()))
-    deployment = Deployment((plain_instance(options, "vllm", port, options.cores, role="decode"),))
-    with Cluster(deployment, log_dir=LOG_DIR / f"matrix-reference-{arch}-tp{tp}-{port}") as cluster:
-        cluster.wait_healthy(STARTUP_TIMEOUT)
-        return fetch_greedy(cluster.endpoint, prompts, max_tokens=MAX_TOKENS, concurrency=CONCURRENCY,
-                            model=model_name(cluster))
+    return references([arch], prompts, port, tp)[arch]
+
+
+def references(archs: list[str], prompts: list[list[int]], port: int, tp: int = 1) -> dict[str, list]:
+    """reference() of several architectures, their instances started at once (ports `port`, `port`
+    + 6, ...): a collocated instance starts one process after another, so two or three starting
+    together on two cores take little longer than one."""
+    with contextlib.ExitStack() as stack:
+        clusters = {}
+        for i, arch in enumerate(archs):
+            options = UpOptions(mode="write", model=str(resolve_model(ARCHS[arch])), port=port + 6 * i,
+                                enforce_eager=True, decode_tp=tp, extra_vllm_args=ARCH_ARGS.get(arch, ()))
+            deployment = Deployment((plain_instance(options, "vllm", options.port, options.cores, role="decode"),))
+            clusters[arch] = stack.enter_context(
+                Cluster(deployment, log_dir=LOG_DIR / f"matrix-reference-{arch}-tp{tp}-{options.port}"))
+        answers = {}
+        for arch, cluster in clusters.items():
+            cluster.wait_healthy(STARTUP_TIMEOUT)
+            answers[arch] = fetch_greedy(cluster.endpoint, prompts, max_tokens=MAX_TOKENS, concurrency=CONCURRENCY,
+                                         model=model_name(cluster))
+        return answers
 
 
 def run_cell(arch: str, layout: str, mode: str, port: int, prompts: list[list[int]], refs: list) -> dict:

@@ -1,8 +1,8 @@
-"""A representative part of the fault matrix (pdserve.faults.matrix) on real vLLM, both modes:
-the restarts that once returned 200 with wrong tokens (READ: P restarted at the same address;
-WRITE: D restarted), a copy that fails, and a copy queue slower than release_grace. The whole
-matrix (lost, late, duplicated and reordered control messages, kills, preemption) runs as
-scripts/fault_matrix.py, its results in benchmarks/fault-matrix/. Here the cells run on the shared
+"""A representative cell of the fault matrix (pdserve.faults.matrix) on real vLLM in each mode: the
+restarts that once returned 200 with wrong tokens (READ: P restarted at the same address; WRITE: D
+restarted). The whole matrix (failed and slow copies, lost, late, duplicated and reordered control
+messages, kills, preemption; 36 cells) runs as scripts/fault_matrix.py, its results in
+benchmarks/fault-matrix/; a corrupted copy caught by the KV digest runs in test_pd_faults. Here the cells run on the shared
 write and read deployments (pool.py), through their fault plans and with their deadlines."""
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from tests.integration.pool import shared
 
 pytestmark = pytest.mark.integration
 
-CELLS = {
-    "write": ["decode restarted", "copy queue slower than release_grace"],
-    "read": ["prefill restarted", "copy fails mid-layer"],
-}
+CELLS = {"write": "decode restarted", "read": "prefill restarted"}
 PROMPTS = prompts(8, seed=21)
 
 
@@ -45,9 +42,8 @@ def matrix(pd, reference):
     return m
 
 
-@pytest.mark.parametrize("index", range(2))
-def test_fault_cell(matrix, index):
-    name = CELLS[matrix.mode][index]
+def test_fault_cell(matrix):
+    name = CELLS[matrix.mode]
     cell = next(c for c in cells(matrix.mode, timeouts=TIMEOUTS) if c.name == name)
     result = matrix.run(cell)
     print(json.dumps(result.__dict__))
@@ -57,5 +53,5 @@ def test_fault_cell(matrix, index):
     assert result.idle_seconds is not None, f"{name}: the survivors' KV never returned to idle"
     assert result.next_ok, f"{name}: the next requests were not served correctly"
     assert result.passed
-    if cell.rules and name != "copy queue slower than release_grace":
+    if cell.rules:
         assert result.recomputed > 0, f"{name}: the fault never hit a transfer (nothing was recomputed)"

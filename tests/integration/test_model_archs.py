@@ -1,12 +1,14 @@
-"""Every architecture `pdserve make-model --arch` builds serves collocated on vLLM, one instance at a
-time, and decodes greedily to varied text that a second pass repeats (under the comparison rule).
+"""Every architecture `pdserve make-model --arch` builds serves collocated on vLLM (their deployments
+started together), and decodes greedily to varied text that a second pass repeats (under the
+comparison rule).
 
-Each case prints one line: startup seconds, whether vLLM kept prefix caching and chunked prefill on,
+Each case prints one line: the seconds until all deployments were healthy, whether vLLM kept prefix caching and chunked prefill on,
 its KV cache size, its KV cache groups' block sizes, and whether it turned the hybrid KV cache manager off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import shutil
@@ -54,21 +56,31 @@ def engine_facts(log: str) -> dict[str, object]:
     }
 
 
+@pytest.fixture(scope="module")
+def served():
+    """Every new architecture's collocated deployment, all started at once (a collocated instance starts
+    one process after another, so two starting together on two cores take little longer than one):
+    the deployments by architecture and the seconds until all were healthy."""
+    with contextlib.ExitStack() as stack:
+        start, clusters = time.monotonic(), {}
+        for i, arch in enumerate(NEW_ARCHS):
+            log_dir = LOG_DIR / f"arch-{arch}"
+            shutil.rmtree(log_dir, ignore_errors=True)  # the logs append: keep only this run's
+            options = UpOptions(mode="collocated", model=str(resolve_model(f"{arch}-tiny")), port=PORT + 20 * i,
+                                enforce_eager=True, prefix_caching=arch not in PREFIX_CACHING_FAILS, log_dir=log_dir)
+            clusters[arch] = stack.enter_context(launched(options))
+        yield clusters, time.monotonic() - start
+
+
 @pytest.mark.parametrize("arch", NEW_ARCHS)
-def test_serves_collocated_with_varied_repeatable_greedy_output(arch):
-    model = resolve_model(f"{arch}-tiny")
-    log_dir = LOG_DIR / f"arch-{arch}"
-    shutil.rmtree(log_dir, ignore_errors=True)  # the logs append: keep only this run's
-    options = UpOptions(mode="collocated", model=str(model), port=PORT + 20 * NEW_ARCHS.index(arch),
-                        enforce_eager=True, prefix_caching=arch not in PREFIX_CACHING_FAILS, log_dir=log_dir)
+def test_serves_collocated_with_varied_repeatable_greedy_output(served, arch):
+    clusters, startup_s = served
+    cluster, log_dir = clusters[arch], LOG_DIR / f"arch-{arch}"
     batch = prompts()
-    start = time.monotonic()
-    with launched(options) as cluster:
-        startup_s = time.monotonic() - start
-        first = fetch_greedy(cluster.endpoint, batch, max_tokens=MAX_TOKENS)
-        second = fetch_greedy(cluster.endpoint, batch, max_tokens=MAX_TOKENS)
+    first = fetch_greedy(cluster.endpoint, batch, max_tokens=MAX_TOKENS)
+    second = fetch_greedy(cluster.endpoint, batch, max_tokens=MAX_TOKENS)
     facts = engine_facts("\n".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("vllm*.log"))))
-    print(f"{arch}: startup {startup_s:.0f} s, " + ", ".join(f"{k} {v}" for k, v in facts.items()))
+    print(f"{arch}: all started in {startup_s:.0f} s, " + ", ".join(f"{k} {v}" for k, v in facts.items()))
 
     result = compare_greedy(first, second)
     assert result.ok, result
