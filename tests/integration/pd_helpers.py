@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import requests
 
-from pdserve.compare import fetch_greedy
+from pdserve.compare import compare_greedy, fetch_greedy, parse_choice
 from pdserve.launch import Cluster, UpOptions, plan
 from pdserve.launch.env import cache_dir
 from pdserve.launch.modes import with_front
@@ -163,3 +163,24 @@ def wait_idle(url: str, timeout: float) -> float:
             return time.monotonic() - start
         assert time.monotonic() - start < timeout, f"{url}: KV usage {usage}, {running} requests after {timeout} s"
         time.sleep(0.5)
+
+
+def check_decode_after_prefill_died(pd: Cluster, params: dict, prompt: list[int], expected, reference3: list) -> None:
+    """D is asked for `prompt` with `params` naming KV of a P that was SIGKILLed: D must answer with an
+    error or the right tokens (only where the KV had fully landed before P died), not wait past its
+    deadline, free everything, and serve the next requests (the first three of `reference3`'s
+    prompts, PROMPTS[:3] of prompts()) correctly."""
+    time.sleep(1.0)
+    started = time.monotonic()
+    response = requests.post(f"{pd.decode_url}/v1/completions", timeout=120, json={
+        "model": model_name(pd), "prompt": prompt, "max_tokens": 32, "temperature": 0, "logprobs": 2,
+        "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params})
+    took = time.monotonic() - started
+    assert took < TIMEOUTS["transfer_timeout"] + TIMEOUTS["release_grace"] + 15, f"D waited {took:.1f} s"
+    if response.status_code == 200:
+        # allowed only when the KV had fully landed before P died (READ: P's memory outlives it
+        # in D's mapping) - then the tokens must be the right ones
+        assert compare_greedy([expected], [parse_choice(response.json()["choices"][0])]).ok
+    wait_idle(pd.decode_url, timeout=30)
+    plain = greedy(pd.decode_url, pd, prompts()[:3], concurrency=1)
+    assert compare_greedy(reference3[:3], plain).ok

@@ -12,7 +12,8 @@ In order, on the shared write deployment (pool.py), with two deaths of D and one
   event naming them after the tokens an uninterrupted run gives, never with other tokens. The
   supervisor restarts D alone, on its core.
 - P SIGKILLed: requests sent right after fall back to D, greedy outputs equal collocated serving;
-  then, while P is still down, D SIGKILLed too: an OpenAI-shaped 503. The pool waits until both are
+  D, asked to take KV from it (announcing its blocks to the dead P), answers with an error or the
+  right tokens within its deadline and serves on; then, while P is still down, D SIGKILLed too: an OpenAI-shaped 503. The pool waits until both are
   back and KV moves through the router again before the next module.
 """
 
@@ -30,6 +31,7 @@ from pdserve.launch.process import group_members
 from pdserve.launch.samples import metric, parse_samples
 from tests.integration.pd_helpers import (
     MAX_TOKENS,
+    check_decode_after_prefill_died,
     collocated_reference,
     greedy,
     model_name,
@@ -171,9 +173,12 @@ def test_continued_streams_equal_uninterrupted_runs(decode_killed):
     assert decode_killed.continued_after - decode_killed.continued_before >= 3 + 1 + 1 + 1 + 1
 
 
-def test_prefill_killed_requests_fall_back_to_decode_then_both_dead_is_a_clear_503(cluster, reference):
+def test_prefill_killed_requests_fall_back_to_decode_then_both_dead_is_a_clear_503(cluster, reference,
+                                                                                     greedy_reference):
+    pd40 = collocated_reference(greedy_reference, "pd40", prompts())  # test_pd_serving's prompts and answers
     before = front_metrics(cluster)
     killed = kill(cluster, "prefill")
+    # requests sent right after the death fall back to D
     outputs = greedy(cluster.endpoint, cluster, PROMPTS, concurrency=4)  # raises on any error
     result = compare_greedy(reference[0], outputs)
     assert result.ok, result.summary()
@@ -182,6 +187,11 @@ def test_prefill_killed_requests_fall_back_to_decode_then_both_dead_is_a_clear_5
                 + metric(after, "pdserve:requests_retried_total") - metric(before, "pdserve:requests_retried_total"))
     assert bypassed >= len(PROMPTS), after
 
+    # D announces its blocks to the dead P (a transfer the router began before the death; where P is back
+    # already, its new incarnation refuses the unknown transfer and D recomputes)
+    params = {"do_remote_prefill": True, "transfer_id": "tx-kill-p", "remote_host": "127.0.0.1",
+              "remote_handshake_port": cluster.port + 5, "remote_notify_port": cluster.port + 6}
+    check_decode_after_prefill_died(cluster, params, prompts()[5], pd40[5], pd40)
     # both dead: P is still down (or, where it came back already, killed again), then D
     if next(p for p in cluster.instances if p.name == "prefill").pid != killed:
         kill(cluster, "prefill")
