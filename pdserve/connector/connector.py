@@ -30,7 +30,7 @@ from pdserve.connector.kv_groups import KvGroups
 from pdserve.connector.metadata import StepPlan
 from pdserve.connector.ranks import Ranks
 from pdserve.connector.registration import RouterRegistration
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler.base import PDScheduler
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
 from pdserve.connector.support import check_supported
 from pdserve.connector.worker import PDWorker

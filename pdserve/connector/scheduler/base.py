@@ -18,15 +18,15 @@ from typing import Any, Callable
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.guard import guarded
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.leg_truncation import truncate_prompt, truncate_to_one_token
-from pdserve.connector.legs.decode_receive import DecodeReceive
-from pdserve.connector.legs.prefill_hold import PrefillHold
-from pdserve.connector.legs.prefill_send import PrefillSend
 from pdserve.connector.metadata import StepPlan
-from pdserve.connector.prefill_placement import PrefillPlacement
-from pdserve.connector.siblings import Family, Siblings
-from pdserve.connector.step_pacing import StepPacer
-from pdserve.connector.whole_requests import addressed_to_self
+from pdserve.connector.scheduler.leg_truncation import truncate_prompt, truncate_to_one_token
+from pdserve.connector.scheduler.legs.decode_receive import DecodeReceive
+from pdserve.connector.scheduler.legs.prefill_hold import PrefillHold
+from pdserve.connector.scheduler.legs.prefill_send import PrefillSend
+from pdserve.connector.scheduler.prefill_placement import PrefillPlacement
+from pdserve.connector.scheduler.siblings import Family, Siblings
+from pdserve.connector.scheduler.step_pacing import StepPacer
+from pdserve.connector.scheduler.whole_requests import addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import parse_transfer_params
 from pdserve.placement.decode_load import DecodeLoad

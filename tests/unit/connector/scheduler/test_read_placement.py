@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 
 from pdserve.config import Role, TransferMode
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler.base import PDScheduler
 from pdserve.params import parse_transfer_params
 from pdserve.placement.decision import Decision, Placement, Reason
 from pdserve.placement.inbox import PUBLISH_EVERY_S, WorkerNews
 from pdserve.placement.messages import DecodeStatus
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ROUTER_ID,
     FakeBlocks,
@@ -22,7 +22,7 @@ from tests.unit.connector.scheduler_fakes import (
     SchedulerOutput,
     producer_params,
 )
-from tests.unit.connector.test_scheduler_placement import Output, VllmLikeRequest
+from tests.unit.connector.scheduler.test_scheduler_placement import Output, VllmLikeRequest
 from tests.unit.placement.samples import D_KEY, P_KEY, d_status
 
 READ = TransferMode.READ

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.config import TransferMode
-from pdserve.connector.prompt_digest import prompt_digest
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler.base import PDScheduler
+from pdserve.connector.scheduler.prompt_digest import prompt_digest
 from tests.unit.connector.harness import make_config
 from tests.unit.connector.request_status import RequestStatus
 

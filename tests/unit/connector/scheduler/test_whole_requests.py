@@ -7,12 +7,12 @@ import pytest
 from pdserve.bench.budget import Budget
 from pdserve.config import Role, TransferMode
 from pdserve.connector.registration import RouterRegistration
-from pdserve.connector.scheduler import PDScheduler
-from pdserve.connector.whole_requests import PromptTurns
+from pdserve.connector.scheduler.base import PDScheduler
+from pdserve.connector.scheduler.whole_requests import PromptTurns
 from pdserve.errors import ConfigError
 from pdserve.launch.options import UpOptions
 from tests.unit.connector.harness import make_config
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     HEX,
     ConnectorOutput,
@@ -23,7 +23,7 @@ from tests.unit.connector.scheduler_fakes import (
     consumer_params,
     producer_params,
 )
-from tests.unit.connector.test_scheduler_placement import VllmLikeRequest
+from tests.unit.connector.scheduler.test_scheduler_placement import VllmLikeRequest
 
 # both legs name P (127.0.0.1:6301) as prefill and as decode instance: the router picked P for both
 SELF_ID = ("cmpl-___prefill_addr_host:127.0.0.1,handshake:6301,notify:6401"

@@ -8,10 +8,10 @@ import dataclasses
 
 from pdserve.config import TransferMode
 from pdserve.connector.metadata import StageSpec
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler.base import PDScheduler
 from tests.unit.connector.harness import make_config
 from tests.unit.connector.request_status import RequestStatus
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ROUTER_ID,
     FakeBlocks,

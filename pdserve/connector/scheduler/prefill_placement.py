@@ -16,10 +16,10 @@ import time
 from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
-from pdserve.connector.leg_truncation import truncate_to_one_token
 from pdserve.connector.metadata import AwaitSpec, StepPlan
-from pdserve.connector.step_pacing import StepPacer
-from pdserve.connector.whole_requests import SERVED_WHOLE, PromptTurns, addressed_to_self
+from pdserve.connector.scheduler.leg_truncation import truncate_to_one_token
+from pdserve.connector.scheduler.step_pacing import StepPacer
+from pdserve.connector.scheduler.whole_requests import SERVED_WHOLE, PromptTurns, addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import parse_transfer_params
 from pdserve.placement.decision import Decision, Placement, Reason

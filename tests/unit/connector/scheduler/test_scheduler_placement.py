@@ -6,13 +6,13 @@ import time
 from dataclasses import dataclass
 
 from pdserve.config import TransferMode
-from pdserve.connector.leg import LegStatus
 from pdserve.connector.metadata import AwaitSpec, CancelSpec
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler.base import PDScheduler
+from pdserve.connector.scheduler.legs.base import LegStatus
 from pdserve.placement.inbox import WorkerNews
 from pdserve.placement.messages import PrefillLoad
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ROUTER_ID,
     FakeBlocks,

@@ -13,10 +13,10 @@ from typing import Callable
 
 from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import CancelSpec, SendSpec, StepPlan
-from pdserve.connector.prompt_digest import request_digest
-from pdserve.connector.whole_requests import addressed_to_self
+from pdserve.connector.scheduler.legs.base import Leg, LegStatus
+from pdserve.connector.scheduler.prompt_digest import request_digest
+from pdserve.connector.scheduler.whole_requests import addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import parse_transfer_params
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pdserve.config import TransferMode
 from pdserve.connector.kv_groups import KvGroups
 from pdserve.connector.metadata import RecvSpec
-from pdserve.connector.prompt_digest import prompt_digest
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler.base import PDScheduler
+from pdserve.connector.scheduler.prompt_digest import prompt_digest
 from tests.unit.connector.harness import P_ADDRESS, make_config
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ROUTER_ID,
     FakeRequest,

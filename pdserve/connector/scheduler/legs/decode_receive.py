@@ -14,9 +14,9 @@ from typing import Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import CancelSpec, RecvSpec, StepPlan
-from pdserve.connector.prompt_digest import request_digest
+from pdserve.connector.scheduler.legs.base import Leg, LegStatus
+from pdserve.connector.scheduler.prompt_digest import request_digest
 from pdserve.control.address import PeerAddress
 from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import pdserve.connector.step_pacing as step_pacing_module
+import pdserve.connector.scheduler.step_pacing as step_pacing_module
 from pdserve.config import TransferMode
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler.base import PDScheduler
 from pdserve.placement.chunk_headroom import MIN_SAMPLES
 from pdserve.placement.chunk_size import MIN_CHUNK, OVER, WITHIN
 from tests.unit.connector.harness import make_config
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ConnectorOutput,
     Scheduler,
     SchedulerOutput,
     consumer_params,
 )
-from tests.unit.connector.test_scheduler_placement import VllmLikeRequest
-from tests.unit.connector.test_whole_requests import SELF_ID
+from tests.unit.connector.scheduler.test_scheduler_placement import VllmLikeRequest
+from tests.unit.connector.scheduler.test_whole_requests import SELF_ID
 from tests.unit.placement.test_chunk_costs import fitted
 
 
