@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import TransferMode
 from pdserve.control.address import PeerAddress
-from pdserve.placement.messages import DecodeStatus, PrefillLoad
+from pdserve.placement import DecodeStatus, PrefillLoad
 
 
 @dataclass(frozen=True)

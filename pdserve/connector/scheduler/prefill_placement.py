@@ -6,7 +6,7 @@ decides when the leg arrives (placement/read_mode.py). Either way P publishes it
 still to compute as a `PrefillLoad`, and with serve_decode its prompts take turns beside the streams
 it decodes (whole_requests.py). With static placement every leg is prefilled here at once.
 
-PDScheduler calls these on a producer; the legs' KV is moved by legs/prefill_send.py and
+PrefillScheduler calls these on a producer; the legs' KV is moved by legs/prefill_send.py and
 legs/prefill_hold.py.
 """
 
@@ -22,13 +22,21 @@ from pdserve.connector.scheduler.step_pacing import StepPacer
 from pdserve.connector.scheduler.whole_requests import SERVED_WHOLE, PromptTurns, addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import parse_transfer_params
-from pdserve.placement.decision import Decision, Placement, Reason
-from pdserve.placement.decode_load import uncomputed_prompt_tokens
-from pdserve.placement.inbox import WorkerNews
-from pdserve.placement.messages import MAX_COUNTED_TRANSFERS, PrefillLoad
-from pdserve.placement.policy import PlacementPolicy
-from pdserve.placement.prefill_gate import PrefillGate, Verdict
-from pdserve.placement.read_mode import ReadPlacement, next_step_seconds, peer_key
+from pdserve.placement import (
+    MAX_COUNTED_TRANSFERS,
+    Decision,
+    Placement,
+    PlacementPolicy,
+    PrefillGate,
+    PrefillLoad,
+    ReadPlacement,
+    Reason,
+    Verdict,
+    WorkerNews,
+    next_step_seconds,
+    peer_key,
+    uncomputed_prompt_tokens,
+)
 
 NOT_YET = (None, False)  # get_num_new_matched_tokens: vLLM asks again next step
 NOW = (0, False)  # get_num_new_matched_tokens: nothing external, schedule it

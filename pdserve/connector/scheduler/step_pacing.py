@@ -15,12 +15,19 @@ from typing import Callable
 
 from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.metadata import StepPlan
-from pdserve.placement.chunk_costs import ChunkCosts
-from pdserve.placement.chunk_size import MIN_CHUNK, OVER, WITHIN, chunk_tokens, threshold
-from pdserve.placement.decode_load import DecodeLoad
-from pdserve.placement.policy import AdaptivePolicy, PlacementPolicy
-from pdserve.placement.prefill_share import PrefillShare
-from pdserve.placement.step_costs import StepCosts
+from pdserve.placement import (
+    MIN_CHUNK,
+    OVER,
+    WITHIN,
+    AdaptivePolicy,
+    ChunkCosts,
+    DecodeLoad,
+    PlacementPolicy,
+    PrefillShare,
+    StepCosts,
+    chunk_tokens,
+    threshold,
+)
 
 
 class StepPacer:

@@ -1,7 +1,7 @@
 """D: decode legs, whose prompt's KV comes from P (or which D computes itself, placement decides).
 
-PDScheduler calls these from vLLM's hooks on a consumer; each looks the `Leg` up and moves it along
-one of leg.py's transitions. Placement (WRITE: D decides here; READ: P decided, in the params) only
+DecodeScheduler calls these from vLLM's hooks on a consumer; each looks the `Leg` up and moves it along
+one of legs/base.py's transitions. Placement (WRITE: D decides here; READ: P decided, in the params) only
 chooses between receiving and computing locally; decode_load.py keeps the load either adds.
 """
 
@@ -20,14 +20,19 @@ from pdserve.connector.scheduler.prompt_digest import request_digest
 from pdserve.control.address import PeerAddress
 from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params
-from pdserve.placement.decision import Decision, Placement, Reason
-from pdserve.placement.decode_load import DecodeLoad
-from pdserve.placement.inbox import PUBLISH_EVERY_S
-from pdserve.placement.messages import MAX_PREFILL_PEERS, DecodeStatus
-from pdserve.placement.policy import PlacementPolicy
-from pdserve.placement.read_mode import peer_key
-from pdserve.placement.serve_gate import STATUS_EVERY_S
-from pdserve.placement.status_view import status_of
+from pdserve.placement import (
+    MAX_PREFILL_PEERS,
+    PUBLISH_EVERY_S,
+    STATUS_EVERY_S,
+    Decision,
+    DecodeLoad,
+    DecodeStatus,
+    Placement,
+    PlacementPolicy,
+    Reason,
+    peer_key,
+    status_of,
+)
 
 logger = logging.getLogger("pdserve.connector")
 PLACEMENT_LOG_EVERY_S = 5.0

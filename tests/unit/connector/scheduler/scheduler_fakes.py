@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.config import TransferMode
-from pdserve.connector.scheduler.base import PDScheduler
+from pdserve.connector.scheduler import PDScheduler, scheduler_for
 from pdserve.connector.scheduler.prompt_digest import prompt_digest
 from tests.unit.connector.harness import make_config
 from tests.unit.connector.request_status import RequestStatus
@@ -100,7 +100,7 @@ class Scheduler:
 
 
 def make_scheduler(kv_role: str, mode: TransferMode, **timeouts) -> Scheduler:
-    return Scheduler(PDScheduler(make_config(kv_role, mode, **timeouts), BLOCK_SIZE))
+    return Scheduler(scheduler_for(make_config(kv_role, mode, **timeouts), BLOCK_SIZE))
 
 
 def producer_params(**extra) -> dict:

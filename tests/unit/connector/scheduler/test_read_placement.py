@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from pdserve.config import Role, TransferMode
-from pdserve.connector.scheduler.base import PDScheduler
+from pdserve.connector.scheduler import scheduler_for
 from pdserve.params import parse_transfer_params
 from pdserve.placement.decision import Decision, Placement, Reason
 from pdserve.placement.inbox import PUBLISH_EVERY_S, WorkerNews
@@ -31,7 +31,7 @@ READ = TransferMode.READ
 # ---- P's scheduler half ------------------------------------------------------------------------
 
 def read_adaptive(kv_role: str, budget: int = 64) -> Scheduler:
-    return Scheduler(PDScheduler(make_config(kv_role, READ, placement="adaptive"), BLOCK_SIZE, budget=budget))
+    return Scheduler(scheduler_for(make_config(kv_role, READ, placement="adaptive"), BLOCK_SIZE, budget=budget))
 
 
 def _teach_p(s: Scheduler, step_s: float = 0.002) -> None:
@@ -147,10 +147,10 @@ def test_d_publishes_its_side_at_a_bounded_rate():
     assert isinstance(first.status, DecodeStatus) and first.status.decode_handshake_port == D_ADDRESS.handshake_port
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).status is None  # within PUBLISH_EVERY_S
     # WRITE: D decides, and publishes its streams' load less often, for a P with serve_decode (serve_gate.py)
-    write_d = Scheduler(PDScheduler(make_config("kv_consumer", TransferMode.WRITE, placement="adaptive"),
+    write_d = Scheduler(scheduler_for(make_config("kv_consumer", TransferMode.WRITE, placement="adaptive"),
                                     BLOCK_SIZE, budget=64))
     assert isinstance(write_d.scheduler.build_connector_meta(SchedulerOutput({})).status, DecodeStatus)
     assert write_d.scheduler._decode._next_status - time.monotonic() > 10 * PUBLISH_EVERY_S
     assert write_d.scheduler.build_connector_meta(SchedulerOutput({})).status is None
-    static_d = Scheduler(PDScheduler(make_config("kv_consumer", TransferMode.WRITE), BLOCK_SIZE, budget=64))
+    static_d = Scheduler(scheduler_for(make_config("kv_consumer", TransferMode.WRITE), BLOCK_SIZE, budget=64))
     assert static_d.scheduler.build_connector_meta(SchedulerOutput({})).status is None  # no placement, no status

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pdserve.connector.scheduler.step_pacing as step_pacing_module
 from pdserve.config import TransferMode
-from pdserve.connector.scheduler.base import PDScheduler
+from pdserve.connector.scheduler import scheduler_for
 from pdserve.placement.chunk_headroom import MIN_SAMPLES
 from pdserve.placement.chunk_size import MIN_CHUNK, OVER, WITHIN
 from tests.unit.connector.harness import make_config
@@ -40,7 +40,7 @@ def test_p_serving_streams_plans_its_chunks_from_what_its_chunk_steps_took(monke
     monkeypatch.setattr(step_pacing_module, "time", clock)
     limits: list[int] = []
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, max_step_ms=50)
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
     s.scheduler._pacer.costs = fitted(per_token_s=0.001)
     whole = VllmLikeRequest(SELF_ID + "-d", consumer_params(), 4000)
     assert s.scheduler.get_num_new_matched_tokens(whole, 0) == (0, False)

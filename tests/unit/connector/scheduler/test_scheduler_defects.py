@@ -10,7 +10,7 @@ import torch
 
 from pdserve.config import TransferMode
 from pdserve.connector.metadata import CancelSpec
-from pdserve.connector.scheduler.base import PDScheduler
+from pdserve.connector.scheduler import scheduler_for
 from pdserve.connector.scheduler.leg_truncation import truncate_to_one_token
 from pdserve.connector.scheduler.prompt_digest import embeds_digest
 from pdserve.placement.inbox import WorkerNews
@@ -55,7 +55,7 @@ def embeds_request(request_id: str, params: dict, tokens: int = 40) -> FakeReque
 
 
 def adaptive(kv_role: str, mode: TransferMode = WRITE) -> Scheduler:
-    return Scheduler(PDScheduler(make_config(kv_role, mode, placement="adaptive"), BLOCK_SIZE, budget=64))
+    return Scheduler(scheduler_for(make_config(kv_role, mode, placement="adaptive"), BLOCK_SIZE, budget=64))
 
 
 def allocate(s: Scheduler, request, blocks: list[int], external: int = 0) -> None:

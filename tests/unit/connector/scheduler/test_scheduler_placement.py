@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pdserve.config import TransferMode
 from pdserve.connector.metadata import AwaitSpec, CancelSpec
-from pdserve.connector.scheduler.base import PDScheduler
+from pdserve.connector.scheduler import scheduler_for
 from pdserve.connector.scheduler.legs.base import LegStatus
 from pdserve.placement.inbox import WorkerNews
 from pdserve.placement.messages import PrefillLoad
@@ -36,7 +36,7 @@ class Output:
 
 def adaptive(kv_role: str, **extra) -> Scheduler:
     config = make_config(kv_role, WRITE, placement="adaptive", **extra)
-    return Scheduler(PDScheduler(config, BLOCK_SIZE, budget=64))
+    return Scheduler(scheduler_for(config, BLOCK_SIZE, budget=64))
 
 
 def test_p_holds_a_leg_until_d_says_prefill_here():
@@ -189,7 +189,7 @@ def test_d_prefills_its_own_prompts_one_after_another():
     chunks and delay the first); P is told at once, and it holds no blocks meanwhile."""
     limits: list[int] = []
     config = make_config("kv_consumer", WRITE, placement="adaptive")
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
     first, second = _take_two_local(s, 100)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({first.request_id: 64}))
     assert [c.transfer_id for c in meta.cancels] == ["tx-1", "tx-2"]  # both legs released to P now
@@ -265,7 +265,7 @@ def test_d_measures_the_path_of_a_prompt_it_sent_from_its_decision_to_its_first_
 def test_d_sets_the_next_steps_prefill_limit_from_its_streams():
     limits: list[int] = []
     config = make_config("kv_consumer", WRITE, placement="adaptive", max_step_ms=105)
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
     _teach_d(s)  # decode steps of ~5 ms
     load = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 0, 0.001, 0.005, 512, time.time())
     s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): load}))
@@ -284,7 +284,7 @@ def test_d_shortens_the_step_in_which_landed_requests_take_their_first_token():
     the ITL target instead, and the step is judged against it."""
     limits: list[int] = []
     config = make_config("kv_consumer", WRITE, placement="adaptive", slo="ttft<1000,mean_itl<50")
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
     _teach_d(s)  # decode steps of ~5 ms
     key = (P_ADDRESS.host, P_ADDRESS.handshake_port)
     busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
@@ -316,7 +316,7 @@ def test_d_shortens_the_step_in_which_landed_requests_take_their_first_token():
 
 def test_static_d_leaves_vllms_prefill_limit_alone():
     limits: list[int] = []
-    s = Scheduler(PDScheduler(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576, chunk=512,
+    s = Scheduler(scheduler_for(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576, chunk=512,
                               set_chunk=limits.append))
     s.scheduler.build_connector_meta(SchedulerOutput({"a": 1}))
     assert limits == []
@@ -324,7 +324,7 @@ def test_static_d_leaves_vllms_prefill_limit_alone():
 
 def test_d_reports_whether_each_step_with_a_local_chunk_kept_its_bound():
     config = make_config("kv_consumer", WRITE, placement="adaptive", max_step_ms=50)
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=lambda _: None))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=lambda _: None))
 
     def step(scheduled: dict[str, int], seconds: float) -> list[str]:
         s.scheduler.build_connector_meta(SchedulerOutput(scheduled))
@@ -338,7 +338,7 @@ def test_d_reports_whether_each_step_with_a_local_chunk_kept_its_bound():
     assert step({"a": 1, "landed": 8}, 0.06) == []  # a landed request's last few prompt tokens are no chunk
     # no stream in the step: the response bound (0.15 x the default 1 s TTFT bound) is the one it keeps
     assert step({"l": 64}, 0.06) == ["within"]
-    static = Scheduler(PDScheduler(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576))
+    static = Scheduler(scheduler_for(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576))
     static.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "l": 64}))
     time.sleep(0.06)
     static.scheduler.update_connector_output(Output())
