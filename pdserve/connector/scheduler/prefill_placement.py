@@ -19,7 +19,7 @@ from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.metadata import AwaitSpec, StepPlan
 from pdserve.connector.scheduler.leg_truncation import truncate_to_one_token
 from pdserve.connector.scheduler.step_pacing import StepPacer
-from pdserve.connector.scheduler.whole_requests import SERVED_WHOLE, PromptTurns, addressed_to_self
+from pdserve.connector.scheduler.whole_requests import PromptTurns, addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import parse_transfer_params
 from pdserve.placement import (
@@ -178,14 +178,14 @@ class PrefillPlacement:
             dropped = truncate_to_one_token(request)
             self._gate.on_decisions({rid: not dropped})
             if dropped:
-                self._plan().placements.append(SERVED_WHOLE)
+                self._plan().served_whole += 1
                 return NOT_YET
             verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK:
             self._plan().awaits.append(AwaitSpec(rid, params.transfer_id, params.peer))
             self._waiting[rid] = request
         elif self._gate.num_timed_out > timed_out:  # heard nothing from D in wait_s (on P's /metrics)
-            self._plan().placements.append(Decision(Placement.REMOTE, Reason.NO_WORD).label)
+            self._plan().placements.append(Decision(Placement.REMOTE, Reason.NO_WORD))
         if verdict in (Verdict.ASK, Verdict.WAIT):
             return NOT_YET
         self._waiting.pop(rid, None)

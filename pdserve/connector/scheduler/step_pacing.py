@@ -17,8 +17,6 @@ from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.metadata import StepPlan
 from pdserve.placement import (
     MIN_CHUNK,
-    OVER,
-    WITHIN,
     AdaptivePolicy,
     ChunkCosts,
     DecodeLoad,
@@ -119,7 +117,7 @@ class StepPacer:
             self.chunk_costs.on_step(took, self.costs, decodes, prefill)
             if prefill >= MIN_CHUNK:  # on /metrics as D's are: did P's streams wait past the bound?
                 bound = self._config.placement.max_step_ms / 1000
-                self._plan().chunk_steps.append(OVER if took > bound else WITHIN)
+                self._plan().chunk_steps_over.append(took > bound)
 
     def _judge_chunk_step(self, took: float, prefill: int, decodes: int) -> None:
         """D: whether a step with a local chunk kept the bound its chunk was sized for (on
@@ -128,4 +126,4 @@ class StepPacer:
             return
         bound = self._policy.step_bound(decodes, self._load.some_load(), self._landing[1])
         if math.isfinite(bound):
-            self._plan().chunk_steps.append(OVER if took > bound else WITHIN)
+            self._plan().chunk_steps_over.append(took > bound)

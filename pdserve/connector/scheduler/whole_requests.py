@@ -27,8 +27,6 @@ from pdserve.config import ConnectorConfig
 from pdserve.params import TransferParams
 from pdserve.placement import uncomputed_prompt_tokens
 
-SERVED_WHOLE = "whole:serve_decode"  # placement label of a request P served whole
-
 
 def addressed_to_self(params: TransferParams, config: ConnectorConfig) -> bool:
     """Whether a prefill leg names this very instance as its decode instance."""

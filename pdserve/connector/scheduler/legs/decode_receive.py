@@ -223,7 +223,7 @@ class DecodeReceive:
         params = leg.params
         if decision is None or params is None:
             return
-        self._plan().placements.append(decision.label)
+        self._plan().placements.append(decision)
         self._log_placement(decision, params)
         if params.local:
             self._count_placed_local(params.peer)

@@ -114,3 +114,8 @@ def consumer_params(**extra) -> dict:
     """What vllm-router 0.1.17 sends the decode leg (WRITE mode)."""
     return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": None,
             "remote_block_ids": None, "transfer_id": "tx-1", "remote_dp_size": 1, "remote_tp_size": 1, **extra}
+
+
+def labels(decisions) -> list[str]:
+    """The labels ("local:local_faster") of a plan's placement decisions."""
+    return [decision.label for decision in decisions]

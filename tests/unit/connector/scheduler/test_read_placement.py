@@ -20,6 +20,7 @@ from tests.unit.connector.scheduler.scheduler_fakes import (
     FakeRequest,
     Scheduler,
     SchedulerOutput,
+    labels,
     producer_params,
 )
 from tests.unit.connector.scheduler.test_scheduler_placement import Output, VllmLikeRequest
@@ -108,7 +109,7 @@ def test_d_prefills_what_p_left_to_it_and_reports_taking_it():
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3, 4, 5, 6, 7]), 0)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     # no read, and no release either: P holds nothing of it
-    assert meta.recvs == [] and meta.cancels == [] and meta.placements == ["local:local_faster"]
+    assert meta.recvs == [] and meta.cancels == [] and labels(meta.placements) == ["local:local_faster"]
     assert meta.status.placed_local == {P_KEY: 1} and meta.status.local_backlog_tokens == 100
     assert s.scheduler.request_finished(request, ([],)) == (False, None)
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).cancels == []
@@ -129,7 +130,7 @@ def test_d_reads_what_p_prefilled_and_counts_p_s_decision():
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3, 4]), 64)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     assert len(meta.recvs) == 1 and meta.recvs[0].remote_block_ids == (4, 5, 6, 7)
-    assert meta.placements == ["remote:remote_faster"] and meta.status.placed_local == {}
+    assert labels(meta.placements) == ["remote:remote_faster"] and meta.status.placed_local == {}
 
 
 def test_d_fails_a_request_whose_placement_it_cannot_read():

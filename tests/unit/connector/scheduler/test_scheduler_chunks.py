@@ -6,7 +6,7 @@ import pdserve.connector.scheduler.step_pacing as step_pacing_module
 from pdserve.config import TransferMode
 from pdserve.connector.scheduler import scheduler_for
 from pdserve.placement.chunk_headroom import MIN_SAMPLES
-from pdserve.placement.chunk_size import MIN_CHUNK, OVER, WITHIN
+from pdserve.placement.chunk_size import MIN_CHUNK
 from tests.unit.connector.harness import make_config
 from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
@@ -54,12 +54,12 @@ def test_p_serving_streams_plans_its_chunks_from_what_its_chunk_steps_took(monke
     judged = []
     for _ in range(2 * MIN_SAMPLES):
         tokens = limits[-1]
-        judged += s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1, whole.request_id: tokens})).chunk_steps
+        judged += s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1, whole.request_id: tokens})).chunk_steps_over
         clock.now += chunk_step(tokens)
         s.scheduler.update_connector_output(ConnectorOutput())
     # on /metrics, as D's chunk steps are: the limit set before a step is for the one after it, so
     # two steps ran with the fit's chunk
-    assert judged[:2] == [OVER, OVER] and set(judged[2:]) == {WITHIN}
+    assert judged[:2] == [True, True] and set(judged[2:]) == {False}  # over, then within
     s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1, whole.request_id: limits[-1]}))
     assert MIN_CHUNK <= limits[-1] < first
     assert chunk_step(limits[-1]) <= 0.050  # the step keeps the bound its streams were promised

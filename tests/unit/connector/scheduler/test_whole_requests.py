@@ -49,7 +49,7 @@ def test_both_legs_on_p_the_decode_leg_is_served_whole_and_the_prefill_leg_dropp
     assert answers[id(prefill_leg)] == (None, False) and prefill_leg.num_prompt_tokens == 1
     assert s.scheduler.get_num_new_matched_tokens(prefill_leg, 0) == (0, False)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
-    assert meta.awaits == [] and meta.placements == ["whole:serve_decode"]
+    assert meta.awaits == [] and meta.served_whole == 1 and meta.placements == []
     for request, blocks in ((prefill_leg, [3]), (decode_leg, [4, 5])):
         s.kv.blocks[request.request_id] = blocks
         s.scheduler.update_state_after_alloc(request, FakeBlocks(blocks), 0)
