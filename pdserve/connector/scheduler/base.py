@@ -31,7 +31,10 @@ logger = logging.getLogger("pdserve.connector")
 
 class PDScheduler:
     """Called by vLLM's scheduler; see vLLM's KVConnectorBase_V1 for when each hook runs.
-    Subclasses answer the hooks of one role (the methods below that raise NotImplementedError)."""
+    Subclasses answer the hooks of one role (the methods below that raise NotImplementedError),
+    and name their role's step pacer (step_pacing.py)."""
+
+    _PACER: type[StepPacer]
 
     def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048, chunk: int | None = None,
                  set_chunk: Callable[[int], None] | None = None, groups: KvGroups = ONE_GROUP):
@@ -40,7 +43,7 @@ class PDScheduler:
         self._groups = groups
         self._policy = make_policy(config.placement)
         self._decode_load = DecodeLoad(budget, config.placement.stream_itl_s, chunk=chunk)
-        self._pacer = StepPacer(config, budget, self._policy, self._decode_load, set_chunk, lambda: self._meta)
+        self._pacer = self._PACER(config, budget, self._policy, self._decode_load, set_chunk, lambda: self._meta)
         self._siblings = Siblings()  # the legs of requests with n > 1, which share a transfer (siblings.py)
         self._meta = StepPlan()
 

@@ -14,9 +14,12 @@ from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.connector.scheduler.base import PDScheduler
 from pdserve.connector.scheduler.legs.decode_receive import DecodeReceive
 from pdserve.connector.scheduler.siblings import Family
+from pdserve.connector.scheduler.step_pacing import DecodePacer
 
 
 class DecodeScheduler(PDScheduler):
+    _PACER = DecodePacer
+
     def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048, chunk: int | None = None,
                  set_chunk: Callable[[int], None] | None = None, groups: KvGroups = ONE_GROUP):
         super().__init__(config, block_size, budget, chunk, set_chunk, groups)

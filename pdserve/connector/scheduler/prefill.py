@@ -19,12 +19,15 @@ from pdserve.connector.scheduler.legs.prefill_hold import PrefillHold
 from pdserve.connector.scheduler.legs.prefill_send import PrefillSend
 from pdserve.connector.scheduler.prefill_placement import NOT_YET, NOW, PrefillPlacement
 from pdserve.connector.scheduler.siblings import Family
+from pdserve.connector.scheduler.step_pacing import PrefillPacer
 from pdserve.connector.scheduler.whole_requests import addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params
 
 
 class PrefillScheduler(PDScheduler):
+    _PACER = PrefillPacer
+
     def __init__(self, config: ConnectorConfig, block_size: int, budget: int = 2048, chunk: int | None = None,
                  set_chunk: Callable[[int], None] | None = None, groups: KvGroups = ONE_GROUP):
         super().__init__(config, block_size, budget, chunk, set_chunk, groups)

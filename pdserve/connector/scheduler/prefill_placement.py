@@ -18,7 +18,7 @@ from typing import Any, Callable
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.metadata import AwaitSpec, StepPlan
 from pdserve.connector.scheduler.leg_truncation import truncate_to_one_token
-from pdserve.connector.scheduler.step_pacing import StepPacer
+from pdserve.connector.scheduler.step_pacing import PrefillPacer
 from pdserve.connector.scheduler.whole_requests import PromptTurns, addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import parse_transfer_params
@@ -43,7 +43,7 @@ NOW = (0, False)  # get_num_new_matched_tokens: nothing external, schedule it
 
 
 class PrefillPlacement:
-    def __init__(self, config: ConnectorConfig, policy: PlacementPolicy, pacer: StepPacer,
+    def __init__(self, config: ConnectorConfig, policy: PlacementPolicy, pacer: PrefillPacer,
                  plan: Callable[[], StepPlan]):
         self._config = config
         self._pacer = pacer  # P's step costs and prefill share, published in its load
