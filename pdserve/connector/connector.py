@@ -30,11 +30,11 @@ from pdserve.connector.kv_groups import KvGroups
 from pdserve.connector.metadata import StepPlan
 from pdserve.connector.ranks import Ranks
 from pdserve.connector.registration import RouterRegistration
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler import PDScheduler, scheduler_for
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
 from pdserve.connector.support import check_supported
 from pdserve.connector.worker import PDWorker
-from pdserve.placement.inbox import WorkerNews
+from pdserve.placement import WorkerNews
 from pdserve.vllm_logging import route_logs_to_vllm
 
 
@@ -130,7 +130,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             _apply_load_failure_policy(transfer_config, self._config.load_failure_policy)
             scheduler_config = vllm_config.scheduler_config
-            self._scheduler = PDScheduler(self._config, vllm_config.cache_config.block_size,
+            self._scheduler = scheduler_for(self._config, vllm_config.cache_config.block_size,
                                           scheduler_config.max_num_batched_tokens,
                                           getattr(scheduler_config, "long_prefill_token_threshold", 0) or None,
                                           set_chunk=_chunk_setter(scheduler_config), groups=groups)

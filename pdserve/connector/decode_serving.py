@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.registration import RouterRegistration
-from pdserve.placement.messages import DecodeStatus, PrefillLoad
-from pdserve.placement.serve_gate import ServeGate
+from pdserve.placement import DecodeStatus, PrefillLoad, ServeGate
 
 
 class DecodeServing:

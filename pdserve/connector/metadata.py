@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import TransferMode
 from pdserve.control.address import PeerAddress
-from pdserve.placement.messages import DecodeStatus, PrefillLoad
+from pdserve.placement import Decision, DecodeStatus, PrefillLoad
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,10 @@ class StepPlan:
     awaits: list[AwaitSpec] = field(default_factory=list)
     load: PrefillLoad | None = None  # P, adaptive: what to publish to decode instances
     status: DecodeStatus | None = None  # D, adaptive, READ: what to publish to prefill instances
-    placements: list[str] = field(default_factory=list)  # D: decisions made this step ("local:local_faster")
-    # its last step with a chunk beside streams (D; P with serve_decode), "within"/"over" its bound
-    chunk_steps: list[str] = field(default_factory=list)
+    placements: list[Decision] = field(default_factory=list)  # placement decisions that took effect this step
+    served_whole: int = 0  # P, serve_decode: requests it serves whole whose prefill leg it dropped this step
+    # its last step with a chunk beside streams (D; P with serve_decode): whether it ran past its bound
+    chunk_steps_over: list[bool] = field(default_factory=list)
     # D: seconds of path of remote prompts that took their first token (placement/remote_path.py)
     remote_paths: list[float] = field(default_factory=list)
     idle: bool = False  # no tokens scheduled this step: the worker may wait briefly for progress

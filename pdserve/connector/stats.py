@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from pdserve.connector.engine import TransferStats
-from pdserve.placement.chunk_size import OVER, WITHIN
+from pdserve.placement import OVER, WITHIN
 
 # What take_stats sends: the engine's TransferStats fields plus what the worker counts itself.
 _EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": [],

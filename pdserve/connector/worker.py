@@ -47,7 +47,7 @@ from pdserve.control.messages import (
 )
 from pdserve.control.secret import load_secret
 from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
-from pdserve.placement.messages import DecodeStatus, PrefillLoad
+from pdserve.placement import DecodeStatus, PrefillLoad
 from pdserve.rigs import attach_rig
 from pdserve.transport.base import RegionDescriptor, TransferStatus, Transport
 from pdserve.transport.device import MemoryDevice

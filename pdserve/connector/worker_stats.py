@@ -11,7 +11,10 @@ from collections import deque
 
 from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.metadata import StepPlan
+from pdserve.placement import OVER, WITHIN
 from pdserve.transport.base import Transport
+
+SERVED_WHOLE = "whole:serve_decode"  # the placement label of a request P served whole
 
 
 class WorkerStats:
@@ -31,8 +34,9 @@ class WorkerStats:
     def on_plan(self, plan: StepPlan) -> None:
         if plan.load is not None and (not self._prefill_queue or self._prefill_queue[-1] != plan.load.queued_tokens):
             self._prefill_queue.append(plan.load.queued_tokens)
-        self._placements.extend(plan.placements)
-        self._chunk_steps.extend(plan.chunk_steps)
+        self._placements.extend(decision.label for decision in plan.placements)
+        self._placements.extend([SERVED_WHOLE] * plan.served_whole)
+        self._chunk_steps.extend(OVER if over else WITHIN for over in plan.chunk_steps_over)
         self._remote_paths.extend(plan.remote_paths)
 
     def take(self, engine, num_rejected: int, serving: list[int], transport: Transport) -> dict | None:

@@ -6,7 +6,7 @@ runs the prompt, so P decides, when the leg arrives (vLLM's `on_new_request`), w
 uses in WRITE mode (policy.py): P's own queue, fresh, against D's side as D last published it
 (`DecodeStatus`, status_view.py) plus the prompts P left to D that D had not taken in by then.
 
-A prompt left to D is cut to one token (connector/leg_truncation.py): P answers after a one-token step with
+A prompt left to D is cut to one token (connector/scheduler/leg_truncation.py): P answers after a one-token step with
 `placement: local:<reason>` and no blocks (params.py), and D prefills the prompt itself, in chunks.
 vLLM admits waiting requests first come, first served, so a cut leg would wait behind P's whole
 queue; instead, while a cut leg waits, prompts that would start their prefill are held back for one

@@ -1,7 +1,7 @@
 """ServeGate: whether a prefill instance with `serve_decode` offers itself to vllm-router as a
 decode instance right now.
 
-Serving whole requests on P (connector/whole_requests.py) pays where decode is the bottleneck, and only
+Serving whole requests on P (connector/scheduler/whole_requests.py) pays where decode is the bottleneck, and only
 there: a request P serves whole decodes beside P's prefill steps for D's legs, so while D's
 streams have room it costs those streams' neighbours on P, and D's legs P's time. So P registers
 as a decode instance only while D's streams are loaded, judged by what D publishes

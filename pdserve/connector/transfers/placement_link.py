@@ -13,8 +13,7 @@ from pdserve.connector.peers import PeerTable
 from pdserve.connector.transfers.messenger import Messenger
 from pdserve.connector.transfers.records import TransferRecords
 from pdserve.control.messages import Release, RemoteBlocks
-from pdserve.placement.inbox import PlacementInbox, WorkerNews
-from pdserve.placement.messages import DecodeStatus, PrefillLoad
+from pdserve.placement import DecodeStatus, PlacementInbox, PrefillLoad, WorkerNews
 
 PLACEMENT_MESSAGES = (PrefillLoad, DecodeStatus)
 

@@ -19,7 +19,7 @@ from pdserve.connector.engine import Finished, TransferEngine
 from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.layout import KvLayout, LayerPlacement
 from pdserve.connector.peers import HandshakeResult
-from pdserve.connector.prompt_digest import prompt_digest
+from pdserve.connector.scheduler.prompt_digest import prompt_digest
 from pdserve.control.address import PeerAddress
 from pdserve.transport import SharedSegment, ShmTransport, segment_name
 

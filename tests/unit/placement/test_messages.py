@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.control.codec import Codec
+from pdserve.control.messages import MESSAGE_TYPES
 from pdserve.errors import ProtocolError
 from pdserve.placement.messages import DecodeStatus, PrefillLoad
 from tests.unit.placement.samples import NOW, d_status
@@ -40,9 +42,6 @@ def test_a_status_with_half_its_costs_is_refused():
 def test_placement_registers_its_messages_with_the_control_codec():
     """The codec stays generic: placement's messages reach it through `@message`, and go over the
     wire like the transfer messages, fenced to their recipient."""
-    from pdserve.control.codec import Codec
-    from pdserve.control.messages import MESSAGE_TYPES
-
     assert MESSAGE_TYPES["prefill_load"] is PrefillLoad and MESSAGE_TYPES["decode_status"] is DecodeStatus
     sender, receiver = Codec(b"secret", "engine-p"), Codec(b"secret", "engine-d")
     for msg in (PrefillLoad("127.0.0.1", 6301, 512, 0.001, 0.005, 512, NOW, counted_transfers=["tx-1"]),

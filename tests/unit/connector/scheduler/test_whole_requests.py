@@ -7,12 +7,12 @@ import pytest
 from pdserve.bench.budget import Budget
 from pdserve.config import Role, TransferMode
 from pdserve.connector.registration import RouterRegistration
-from pdserve.connector.scheduler import PDScheduler
-from pdserve.connector.whole_requests import PromptTurns
+from pdserve.connector.scheduler import scheduler_for
+from pdserve.connector.scheduler.whole_requests import PromptTurns
 from pdserve.errors import ConfigError
 from pdserve.launch.options import UpOptions
 from tests.unit.connector.harness import make_config
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     HEX,
     ConnectorOutput,
@@ -23,7 +23,7 @@ from tests.unit.connector.scheduler_fakes import (
     consumer_params,
     producer_params,
 )
-from tests.unit.connector.test_scheduler_placement import VllmLikeRequest
+from tests.unit.connector.scheduler.test_scheduler_placement import VllmLikeRequest
 
 # both legs name P (127.0.0.1:6301) as prefill and as decode instance: the router picked P for both
 SELF_ID = ("cmpl-___prefill_addr_host:127.0.0.1,handshake:6301,notify:6401"
@@ -32,7 +32,7 @@ SELF_ID = ("cmpl-___prefill_addr_host:127.0.0.1,handshake:6301,notify:6401"
 
 def serving_p(**extra) -> Scheduler:
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, **extra)
-    return Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512))
+    return Scheduler(scheduler_for(config, BLOCK_SIZE, budget=512))
 
 
 @pytest.mark.parametrize("decode_leg_first", [True, False])
@@ -49,7 +49,7 @@ def test_both_legs_on_p_the_decode_leg_is_served_whole_and_the_prefill_leg_dropp
     assert answers[id(prefill_leg)] == (None, False) and prefill_leg.num_prompt_tokens == 1
     assert s.scheduler.get_num_new_matched_tokens(prefill_leg, 0) == (0, False)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
-    assert meta.awaits == [] and meta.placements == ["whole:serve_decode"]
+    assert meta.awaits == [] and meta.served_whole == 1 and meta.placements == []
     for request, blocks in ((prefill_leg, [3]), (decode_leg, [4, 5])):
         s.kv.blocks[request.request_id] = blocks
         s.scheduler.update_state_after_alloc(request, FakeBlocks(blocks), 0)
@@ -108,7 +108,7 @@ def test_serve_decode_is_checked_at_the_edges():
 def test_p_serving_streams_keeps_its_prefill_steps_within_max_step_ms():
     limits: list[int] = []
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, max_step_ms=50)
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
     for tokens, decodes in [(0, 2), (64, 1), (256, 0), (0, 4), (128, 2), (512, 0), (32, 3), (16, 1)] * 3:
         s.scheduler._pacer.costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)  # P's measured steps
     whole = VllmLikeRequest(SELF_ID + "-d", consumer_params(), 200)
@@ -126,7 +126,7 @@ def test_p_serving_streams_keeps_its_prefill_steps_within_max_step_ms():
 def test_p_without_serve_decode_leaves_vllms_prefill_limit_alone():
     limits: list[int] = []
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive")
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
     s.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "b": 64}))
     assert limits == []
 
@@ -137,7 +137,7 @@ def test_p_publishes_as_streams_only_requests_it_decodes(serve_decode):
     P that published it as one made D balance (balance.py) against streams P never ran, in a
     deployment where P serves nothing whole (local:balance, remote:balance on the default workload)."""
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=serve_decode)
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=512))
     for tokens, decodes in [(0, 2), (64, 1), (256, 0), (0, 4), (128, 2), (512, 0), (32, 3), (16, 1)] * 3:
         s.scheduler._pacer.costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)
 
@@ -157,7 +157,7 @@ def test_p_with_streams_computes_one_prompt_at_a_time():
     made steps past max_step_ms. While P decodes streams, a second prompt waits for the first."""
     limits: list[int] = []
     config = make_config("kv_producer", TransferMode.WRITE, placement="adaptive", serve_decode=True, max_step_ms=50)
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=512, set_chunk=limits.append))
     for tokens, decodes in [(0, 2), (64, 1), (256, 0), (0, 4), (128, 2), (512, 0), (32, 3), (16, 1)] * 3:
         s.scheduler._pacer.costs.observe(0.005 + 0.001 * tokens + 0.002 * decodes, tokens, decodes)
     s.scheduler.build_connector_meta(SchedulerOutput({"stream": 1}))  # P decodes a stream of its own

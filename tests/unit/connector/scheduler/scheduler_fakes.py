@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.config import TransferMode
-from pdserve.connector.prompt_digest import prompt_digest
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler import PDScheduler, scheduler_for
+from pdserve.connector.scheduler.prompt_digest import prompt_digest
 from tests.unit.connector.harness import make_config
 from tests.unit.connector.request_status import RequestStatus
 
@@ -100,7 +100,7 @@ class Scheduler:
 
 
 def make_scheduler(kv_role: str, mode: TransferMode, **timeouts) -> Scheduler:
-    return Scheduler(PDScheduler(make_config(kv_role, mode, **timeouts), BLOCK_SIZE))
+    return Scheduler(scheduler_for(make_config(kv_role, mode, **timeouts), BLOCK_SIZE))
 
 
 def producer_params(**extra) -> dict:
@@ -114,3 +114,8 @@ def consumer_params(**extra) -> dict:
     """What vllm-router 0.1.17 sends the decode leg (WRITE mode)."""
     return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": None,
             "remote_block_ids": None, "transfer_id": "tx-1", "remote_dp_size": 1, "remote_tp_size": 1, **extra}
+
+
+def labels(decisions) -> list[str]:
+    """The labels ("local:local_faster") of a plan's placement decisions."""
+    return [decision.label for decision in decisions]

@@ -29,7 +29,7 @@ from typing import Any
 
 from pdserve.errors import PDServeError, ProtocolError
 from pdserve.params import TransferParams
-from pdserve.placement.decision import Decision
+from pdserve.placement import Decision
 
 
 class LegStatus(enum.Enum):

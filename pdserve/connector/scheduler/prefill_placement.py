@@ -6,7 +6,7 @@ decides when the leg arrives (placement/read_mode.py). Either way P publishes it
 still to compute as a `PrefillLoad`, and with serve_decode its prompts take turns beside the streams
 it decodes (whole_requests.py). With static placement every leg is prefilled here at once.
 
-PDScheduler calls these on a producer; the legs' KV is moved by legs/prefill_send.py and
+PrefillScheduler calls these on a producer; the legs' KV is moved by legs/prefill_send.py and
 legs/prefill_hold.py.
 """
 
@@ -16,26 +16,34 @@ import time
 from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
-from pdserve.connector.leg_truncation import truncate_to_one_token
 from pdserve.connector.metadata import AwaitSpec, StepPlan
-from pdserve.connector.step_pacing import StepPacer
-from pdserve.connector.whole_requests import SERVED_WHOLE, PromptTurns, addressed_to_self
+from pdserve.connector.scheduler.leg_truncation import truncate_to_one_token
+from pdserve.connector.scheduler.step_pacing import PrefillPacer
+from pdserve.connector.scheduler.whole_requests import PromptTurns, addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import parse_transfer_params
-from pdserve.placement.decision import Decision, Placement, Reason
-from pdserve.placement.decode_load import uncomputed_prompt_tokens
-from pdserve.placement.inbox import WorkerNews
-from pdserve.placement.messages import MAX_COUNTED_TRANSFERS, PrefillLoad
-from pdserve.placement.policy import PlacementPolicy
-from pdserve.placement.prefill_gate import PrefillGate, Verdict
-from pdserve.placement.read_mode import ReadPlacement, next_step_seconds, peer_key
+from pdserve.placement import (
+    MAX_COUNTED_TRANSFERS,
+    Decision,
+    Placement,
+    PlacementPolicy,
+    PrefillGate,
+    PrefillLoad,
+    ReadPlacement,
+    Reason,
+    Verdict,
+    WorkerNews,
+    next_step_seconds,
+    peer_key,
+    uncomputed_prompt_tokens,
+)
 
 NOT_YET = (None, False)  # get_num_new_matched_tokens: vLLM asks again next step
 NOW = (0, False)  # get_num_new_matched_tokens: nothing external, schedule it
 
 
 class PrefillPlacement:
-    def __init__(self, config: ConnectorConfig, policy: PlacementPolicy, pacer: StepPacer,
+    def __init__(self, config: ConnectorConfig, policy: PlacementPolicy, pacer: PrefillPacer,
                  plan: Callable[[], StepPlan]):
         self._config = config
         self._pacer = pacer  # P's step costs and prefill share, published in its load
@@ -170,14 +178,14 @@ class PrefillPlacement:
             dropped = truncate_to_one_token(request)
             self._gate.on_decisions({rid: not dropped})
             if dropped:
-                self._plan().placements.append(SERVED_WHOLE)
+                self._plan().served_whole += 1
                 return NOT_YET
             verdict = self._gate.verdict(rid)
         if verdict is Verdict.ASK:
             self._plan().awaits.append(AwaitSpec(rid, params.transfer_id, params.peer))
             self._waiting[rid] = request
         elif self._gate.num_timed_out > timed_out:  # heard nothing from D in wait_s (on P's /metrics)
-            self._plan().placements.append(Decision(Placement.REMOTE, Reason.NO_WORD).label)
+            self._plan().placements.append(Decision(Placement.REMOTE, Reason.NO_WORD))
         if verdict in (Verdict.ASK, Verdict.WAIT):
             return NOT_YET
         self._waiting.pop(rid, None)

@@ -1,5 +1,5 @@
 from pdserve.config import TransferMode
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     ROUTER_ID,
     FakeBlocks,
     FakeRequest,

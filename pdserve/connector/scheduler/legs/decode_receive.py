@@ -1,7 +1,7 @@
 """D: decode legs, whose prompt's KV comes from P (or which D computes itself, placement decides).
 
-PDScheduler calls these from vLLM's hooks on a consumer; each looks the `Leg` up and moves it along
-one of leg.py's transitions. Placement (WRITE: D decides here; READ: P decided, in the params) only
+DecodeScheduler calls these from vLLM's hooks on a consumer; each looks the `Leg` up and moves it along
+one of legs/base.py's transitions. Placement (WRITE: D decides here; READ: P decided, in the params) only
 chooses between receiving and computing locally; decode_load.py keeps the load either adds.
 """
 
@@ -14,20 +14,25 @@ from typing import Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import CancelSpec, RecvSpec, StepPlan
-from pdserve.connector.prompt_digest import request_digest
+from pdserve.connector.scheduler.legs.base import Leg, LegStatus
+from pdserve.connector.scheduler.prompt_digest import request_digest
 from pdserve.control.address import PeerAddress
 from pdserve.errors import ProtocolError
 from pdserve.params import TransferParams, parse_transfer_params
-from pdserve.placement.decision import Decision, Placement, Reason
-from pdserve.placement.decode_load import DecodeLoad
-from pdserve.placement.inbox import PUBLISH_EVERY_S
-from pdserve.placement.messages import MAX_PREFILL_PEERS, DecodeStatus
-from pdserve.placement.policy import PlacementPolicy
-from pdserve.placement.read_mode import peer_key
-from pdserve.placement.serve_gate import STATUS_EVERY_S
-from pdserve.placement.status_view import status_of
+from pdserve.placement import (
+    MAX_PREFILL_PEERS,
+    PUBLISH_EVERY_S,
+    STATUS_EVERY_S,
+    Decision,
+    DecodeLoad,
+    DecodeStatus,
+    Placement,
+    PlacementPolicy,
+    Reason,
+    peer_key,
+    status_of,
+)
 
 logger = logging.getLogger("pdserve.connector")
 PLACEMENT_LOG_EVERY_S = 5.0
@@ -218,7 +223,7 @@ class DecodeReceive:
         params = leg.params
         if decision is None or params is None:
             return
-        self._plan().placements.append(decision.label)
+        self._plan().placements.append(decision)
         self._log_placement(decision, params)
         if params.local:
             self._count_placed_local(params.peer)

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import torch
 
 from pdserve.config import TransferMode
-from pdserve.connector.leg_truncation import truncate_to_one_token
 from pdserve.connector.metadata import CancelSpec
-from pdserve.connector.prompt_digest import embeds_digest
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler import scheduler_for
+from pdserve.connector.scheduler.leg_truncation import truncate_to_one_token
+from pdserve.connector.scheduler.prompt_digest import embeds_digest
 from pdserve.placement.inbox import WorkerNews
 from tests.unit.connector.harness import D_ADDRESS, make_config
 from tests.unit.connector.request_status import RequestStatus
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ROUTER_ID,
     ConnectorOutput,
@@ -55,7 +55,7 @@ def embeds_request(request_id: str, params: dict, tokens: int = 40) -> FakeReque
 
 
 def adaptive(kv_role: str, mode: TransferMode = WRITE) -> Scheduler:
-    return Scheduler(PDScheduler(make_config(kv_role, mode, placement="adaptive"), BLOCK_SIZE, budget=64))
+    return Scheduler(scheduler_for(make_config(kv_role, mode, placement="adaptive"), BLOCK_SIZE, budget=64))
 
 
 def allocate(s: Scheduler, request, blocks: list[int], external: int = 0) -> None:

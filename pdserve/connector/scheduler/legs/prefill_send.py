@@ -1,7 +1,7 @@
 """P, WRITE: prefill legs that push their prompt's KV to D once it is computed.
 
-PDScheduler calls these from vLLM's hooks on a producer in WRITE mode; each moves a `Leg` along
-leg.py's transitions: PREFILLING once its blocks are allocated, SENDING from the step that computes
+PrefillScheduler calls these from vLLM's hooks on a producer in WRITE mode; each moves a `Leg` along
+legs/base.py's transitions: PREFILLING once its blocks are allocated, SENDING from the step that computes
 its last prompt chunk, HELD from its end until the worker reports the send over.
 """
 
@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import CancelSpec, SendSpec, StepPlan
-from pdserve.connector.prompt_digest import request_digest
-from pdserve.connector.whole_requests import addressed_to_self
+from pdserve.connector.scheduler.legs.base import Leg, LegStatus
+from pdserve.connector.scheduler.prompt_digest import request_digest
+from pdserve.connector.scheduler.whole_requests import addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import parse_transfer_params
+from pdserve.placement import Decision
 
 logger = logging.getLogger("pdserve.connector")
 
@@ -41,7 +42,12 @@ class PrefillSend:
         """Legs ended whose blocks the worker still sends from."""
         return any(leg.status is LegStatus.HELD for leg in self._legs.values())
 
-    def track(self, request) -> None:
+    def plan_step(self, num_scheduled_tokens: dict[str, int], preempted_ids) -> None:
+        """A step starts: stop the sends of preempted legs, then plan the sends it makes due."""
+        self._preempted(preempted_ids)
+        self._plan_sends(num_scheduled_tokens)
+
+    def allocated(self, request) -> None:
         """Blocks were allocated for `request`: a prefill leg sends its KV once its prompt is computed."""
         rid = request.request_id
         if rid in self._legs:
@@ -59,7 +65,7 @@ class PrefillSend:
         if params is not None:
             self._legs[rid] = Leg(request, params, status=LegStatus.PREFILLING)
 
-    def plan_sends(self, num_scheduled_tokens: dict[str, int]) -> None:
+    def _plan_sends(self, num_scheduled_tokens: dict[str, int]) -> None:
         """A SendSpec for each leg whose last prompt chunk this step computes; a leg that cannot be
         sent is cancelled alone, the others' sends go on."""
         for rid, leg in self._legs.items():
@@ -81,7 +87,7 @@ class PrefillSend:
             leg.to(LegStatus.SENDING)
             self._plan().sends.append(send)
 
-    def preempted(self, request_ids) -> None:
+    def _preempted(self, request_ids) -> None:
         """vLLM frees a preempted request's blocks at once: a send planned from them must stop
         before its copies read reused blocks; D is told, and recomputes (or fails) the request.
         The request stays held at its end so the worker's report of the cancelled send matches."""
@@ -92,20 +98,22 @@ class PrefillSend:
                 self._plan().cancels.append(CancelSpec(leg.params.transfer_id, leg.params.peer,
                                                        "the prefill request was preempted before its KV was sent"))
 
-    def finished(self, request) -> bool:
-        """The request ended; whether its blocks stay until the worker reports its send over."""
+    def finished(self, request, block_ids: tuple[list[int], ...], decision: Decision | None
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """The request ended; whether its blocks stay until the worker reports its send over (it
+        answers with no kv_transfer_params: D has them from the router)."""
         leg = self._legs.get(request.request_id)
         if leg is None:
-            return False
+            return False, None
         if leg.status in (LegStatus.SENDING, LegStatus.PREEMPTED):
             leg.to(LegStatus.HELD)
-            return True
+            return True, None
         if leg.status is LegStatus.PREFILLING:
             self._cancel(leg, "prefill ended before its KV was complete")
         del self._legs[request.request_id]
-        return False
+        return False, None
 
-    def sent(self, request_id: str) -> None:
+    def over(self, request_id: str) -> None:
         """The worker reported the send over: vLLM frees the blocks."""
         leg = self._legs.get(request_id)
         if leg is not None and leg.status is LegStatus.HELD:

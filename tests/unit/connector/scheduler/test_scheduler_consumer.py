@@ -6,10 +6,10 @@ import pytest
 
 from pdserve.config import TransferMode
 from pdserve.connector.metadata import CancelSpec, RecvSpec
-from pdserve.connector.prompt_digest import prompt_digest
+from pdserve.connector.scheduler.prompt_digest import prompt_digest
 from tests.unit.connector.harness import P_ADDRESS
 from tests.unit.connector.request_status import RequestStatus
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     ROUTER_ID,
     ConnectorOutput,
     FakeBlocks,

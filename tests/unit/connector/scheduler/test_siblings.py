@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pdserve.connector.siblings import ENDED_KEEP_S, MAX_ENDED, Siblings
+from pdserve.connector.scheduler.siblings import ENDED_KEEP_S, MAX_ENDED, Siblings
 
 
 class Clock:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pdserve.config import TransferMode
 from pdserve.connector.kv_groups import KvGroups
 from pdserve.connector.metadata import RecvSpec
-from pdserve.connector.prompt_digest import prompt_digest
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler import scheduler_for
+from pdserve.connector.scheduler.prompt_digest import prompt_digest
 from tests.unit.connector.harness import P_ADDRESS, make_config
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ROUTER_ID,
     FakeRequest,
@@ -38,7 +38,7 @@ class TwoGroupBlocks:
 
 
 def scheduler(kv_role: str) -> Scheduler:
-    return Scheduler(PDScheduler(make_config(kv_role, WRITE), BLOCK_SIZE, groups=GROUPS))
+    return Scheduler(scheduler_for(make_config(kv_role, WRITE), BLOCK_SIZE, groups=GROUPS))
 
 
 def test_p_computes_its_legs_up_to_a_chunk_edge_and_serves_other_requests_whole():
@@ -55,7 +55,7 @@ def test_p_computes_its_legs_up_to_a_chunk_edge_and_serves_other_requests_whole(
 
 
 def test_p_without_state_never_cuts_its_legs():
-    s = Scheduler(PDScheduler(make_config("kv_producer", WRITE), BLOCK_SIZE))
+    s = Scheduler(scheduler_for(make_config("kv_producer", WRITE), BLOCK_SIZE))
     leg = VllmLikeRequest(ROUTER_ID, producer_params(), 100)
     s.scheduler.on_new_request(leg)
     assert leg.num_prompt_tokens == 100

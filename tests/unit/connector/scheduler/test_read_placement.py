@@ -7,22 +7,23 @@ from __future__ import annotations
 import time
 
 from pdserve.config import Role, TransferMode
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler import scheduler_for
 from pdserve.params import parse_transfer_params
 from pdserve.placement.decision import Decision, Placement, Reason
 from pdserve.placement.inbox import PUBLISH_EVERY_S, WorkerNews
 from pdserve.placement.messages import DecodeStatus
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ROUTER_ID,
     FakeBlocks,
     FakeRequest,
     Scheduler,
     SchedulerOutput,
+    labels,
     producer_params,
 )
-from tests.unit.connector.test_scheduler_placement import Output, VllmLikeRequest
+from tests.unit.connector.scheduler.test_scheduler_placement import Output, VllmLikeRequest
 from tests.unit.placement.samples import D_KEY, P_KEY, d_status
 
 READ = TransferMode.READ
@@ -31,7 +32,7 @@ READ = TransferMode.READ
 # ---- P's scheduler half ------------------------------------------------------------------------
 
 def read_adaptive(kv_role: str, budget: int = 64) -> Scheduler:
-    return Scheduler(PDScheduler(make_config(kv_role, READ, placement="adaptive"), BLOCK_SIZE, budget=budget))
+    return Scheduler(scheduler_for(make_config(kv_role, READ, placement="adaptive"), BLOCK_SIZE, budget=budget))
 
 
 def _teach_p(s: Scheduler, step_s: float = 0.002) -> None:
@@ -108,7 +109,7 @@ def test_d_prefills_what_p_left_to_it_and_reports_taking_it():
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3, 4, 5, 6, 7]), 0)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     # no read, and no release either: P holds nothing of it
-    assert meta.recvs == [] and meta.cancels == [] and meta.placements == ["local:local_faster"]
+    assert meta.recvs == [] and meta.cancels == [] and labels(meta.placements) == ["local:local_faster"]
     assert meta.status.placed_local == {P_KEY: 1} and meta.status.local_backlog_tokens == 100
     assert s.scheduler.request_finished(request, ([],)) == (False, None)
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).cancels == []
@@ -129,7 +130,7 @@ def test_d_reads_what_p_prefilled_and_counts_p_s_decision():
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3, 4]), 64)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
     assert len(meta.recvs) == 1 and meta.recvs[0].remote_block_ids == (4, 5, 6, 7)
-    assert meta.placements == ["remote:remote_faster"] and meta.status.placed_local == {}
+    assert labels(meta.placements) == ["remote:remote_faster"] and meta.status.placed_local == {}
 
 
 def test_d_fails_a_request_whose_placement_it_cannot_read():
@@ -147,10 +148,10 @@ def test_d_publishes_its_side_at_a_bounded_rate():
     assert isinstance(first.status, DecodeStatus) and first.status.decode_handshake_port == D_ADDRESS.handshake_port
     assert s.scheduler.build_connector_meta(SchedulerOutput({})).status is None  # within PUBLISH_EVERY_S
     # WRITE: D decides, and publishes its streams' load less often, for a P with serve_decode (serve_gate.py)
-    write_d = Scheduler(PDScheduler(make_config("kv_consumer", TransferMode.WRITE, placement="adaptive"),
+    write_d = Scheduler(scheduler_for(make_config("kv_consumer", TransferMode.WRITE, placement="adaptive"),
                                     BLOCK_SIZE, budget=64))
     assert isinstance(write_d.scheduler.build_connector_meta(SchedulerOutput({})).status, DecodeStatus)
     assert write_d.scheduler._decode._next_status - time.monotonic() > 10 * PUBLISH_EVERY_S
     assert write_d.scheduler.build_connector_meta(SchedulerOutput({})).status is None
-    static_d = Scheduler(PDScheduler(make_config("kv_consumer", TransferMode.WRITE), BLOCK_SIZE, budget=64))
+    static_d = Scheduler(scheduler_for(make_config("kv_consumer", TransferMode.WRITE), BLOCK_SIZE, budget=64))
     assert static_d.scheduler.build_connector_meta(SchedulerOutput({})).status is None  # no placement, no status

@@ -11,7 +11,7 @@ from pdserve.connector.metadata import HoldSpec, SendSpec
 from pdserve.params import parse_transfer_params
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS
 from tests.unit.connector.request_status import RequestStatus
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     ROUTER_ID,
     ConnectorOutput,
     FakeBlocks,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pdserve.connector.leg import IllegalTransition, Leg, LegStatus
-from tests.unit.connector.scheduler_fakes import ROUTER_ID, FakeRequest
+from pdserve.connector.scheduler.legs.base import IllegalTransition, Leg, LegStatus
+from tests.unit.connector.scheduler.scheduler_fakes import ROUTER_ID, FakeRequest
 
 
 def test_a_received_leg_cannot_be_released_and_the_error_names_expected_and_actual():

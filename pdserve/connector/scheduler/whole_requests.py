@@ -25,9 +25,7 @@ from typing import Any
 
 from pdserve.config import ConnectorConfig
 from pdserve.params import TransferParams
-from pdserve.placement.decode_load import uncomputed_prompt_tokens
-
-SERVED_WHOLE = "whole:serve_decode"  # placement label of a request P served whole
+from pdserve.placement import uncomputed_prompt_tokens
 
 
 def addressed_to_self(params: TransferParams, config: ConnectorConfig) -> bool:

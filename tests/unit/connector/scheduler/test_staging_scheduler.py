@@ -8,10 +8,10 @@ import dataclasses
 
 from pdserve.config import TransferMode
 from pdserve.connector.metadata import StageSpec
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler import scheduler_for
 from tests.unit.connector.harness import make_config
 from tests.unit.connector.request_status import RequestStatus
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ROUTER_ID,
     FakeBlocks,
@@ -28,7 +28,7 @@ def scheduler(mode: TransferMode, staging: bool) -> Scheduler:
     config = make_config("kv_producer", mode)
     if staging:
         config = dataclasses.replace(config, kv_buffer_device="cpu", kv_device="cuda")
-    return Scheduler(PDScheduler(config, BLOCK_SIZE))
+    return Scheduler(scheduler_for(config, BLOCK_SIZE))
 
 
 def run_step(s: Scheduler, request, scheduled: int):

@@ -6,13 +6,13 @@ import time
 from dataclasses import dataclass
 
 from pdserve.config import TransferMode
-from pdserve.connector.leg import LegStatus
 from pdserve.connector.metadata import AwaitSpec, CancelSpec
-from pdserve.connector.scheduler import PDScheduler
+from pdserve.connector.scheduler import scheduler_for
+from pdserve.connector.scheduler.legs.base import LegStatus
 from pdserve.placement.inbox import WorkerNews
 from pdserve.placement.messages import PrefillLoad
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
-from tests.unit.connector.scheduler_fakes import (
+from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
     ROUTER_ID,
     FakeBlocks,
@@ -21,6 +21,7 @@ from tests.unit.connector.scheduler_fakes import (
     SchedulerOutput,
     VllmLikeRequest,
     consumer_params,
+    labels,
     producer_params,
 )
 
@@ -36,7 +37,7 @@ class Output:
 
 def adaptive(kv_role: str, **extra) -> Scheduler:
     config = make_config(kv_role, WRITE, placement="adaptive", **extra)
-    return Scheduler(PDScheduler(config, BLOCK_SIZE, budget=64))
+    return Scheduler(scheduler_for(config, BLOCK_SIZE, budget=64))
 
 
 def test_p_holds_a_leg_until_d_says_prefill_here():
@@ -168,7 +169,7 @@ def test_d_prefills_locally_when_p_is_busy_and_tells_p():
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 0)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
-    assert meta.recvs == [] and meta.placements == ["local:local_faster"]
+    assert meta.recvs == [] and labels(meta.placements) == ["local:local_faster"]
     assert meta.cancels == [CancelSpec("tx-1", P_ADDRESS, "decode computes this prompt itself")]
 
 
@@ -189,11 +190,11 @@ def test_d_prefills_its_own_prompts_one_after_another():
     chunks and delay the first); P is told at once, and it holds no blocks meanwhile."""
     limits: list[int] = []
     config = make_config("kv_consumer", WRITE, placement="adaptive")
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
     first, second = _take_two_local(s, 100)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({first.request_id: 64}))
     assert [c.transfer_id for c in meta.cancels] == ["tx-1", "tx-2"]  # both legs released to P now
-    assert meta.placements == ["local:local_faster"]  # the second is counted when it starts
+    assert labels(meta.placements) == ["local:local_faster"]  # the second is counted when it starts
     assert s.scheduler._decode_load.view(None).local_backlog_tokens == 200
     # the first takes the whole chunk (0.8 x the 150 ms response bound at ~1 ms a token), not half of it
     assert limits[-1] >= 100
@@ -203,7 +204,7 @@ def test_d_prefills_its_own_prompts_one_after_another():
     assert s.scheduler.get_num_new_matched_tokens(second, 0) == (0, False)
     s.scheduler.update_state_after_alloc(second, FakeBlocks(range(7, 14)), 0)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({first.request_id: 1, second.request_id: 64}))
-    assert meta.placements == ["local:local_faster"] and meta.cancels == [] and meta.recvs == []
+    assert labels(meta.placements) == ["local:local_faster"] and meta.cancels == [] and meta.recvs == []
 
 
 def test_a_prompt_waiting_its_turn_that_ends_releases_nothing_twice():
@@ -212,7 +213,7 @@ def test_a_prompt_waiting_its_turn_that_ends_releases_nothing_twice():
     assert len(s.scheduler.build_connector_meta(SchedulerOutput({})).cancels) == 2
     assert s.scheduler.request_finished(second, ([],)) == (False, None)  # the client gave up while it waited
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
-    assert meta.cancels == [] and meta.placements == []
+    assert meta.cancels == [] and labels(meta.placements) == []
     assert s.scheduler._decode_load.view(None).local_backlog_tokens == 40
     assert all(leg.status is not LegStatus.AWAITING_TURN for leg in s.scheduler._decode._legs.values())
 
@@ -229,7 +230,7 @@ def test_d_keeps_its_streams_mean_itl_from_what_its_steps_took():
     # over the last 64 x 50 ms the streams' mean ITL is (10 x ~5 + 500) / 11 ms > 45 ms
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (40, True)
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 40)
-    assert s.scheduler.build_connector_meta(SchedulerOutput({})).placements == ["remote:itl_guard"]
+    assert labels(s.scheduler.build_connector_meta(SchedulerOutput({})).placements) == ["remote:itl_guard"]
 
 
 def test_d_sends_to_an_idle_p_without_weighing_it():
@@ -240,7 +241,7 @@ def test_d_sends_to_an_idle_p_without_weighing_it():
     assert s.scheduler.get_num_new_matched_tokens(request, 0) == (40, True)
     s.scheduler.update_state_after_alloc(request, FakeBlocks([1, 2, 3]), 40)
     meta = s.scheduler.build_connector_meta(SchedulerOutput({}))
-    assert [r.transfer_id for r in meta.recvs] == ["tx-1"] and meta.placements == ["remote:prefill_idle"]
+    assert [r.transfer_id for r in meta.recvs] == ["tx-1"] and labels(meta.placements) == ["remote:prefill_idle"]
 
 
 def test_d_measures_the_path_of_a_prompt_it_sent_from_its_decision_to_its_first_token():
@@ -265,7 +266,7 @@ def test_d_measures_the_path_of_a_prompt_it_sent_from_its_decision_to_its_first_
 def test_d_sets_the_next_steps_prefill_limit_from_its_streams():
     limits: list[int] = []
     config = make_config("kv_consumer", WRITE, placement="adaptive", max_step_ms=105)
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
     _teach_d(s)  # decode steps of ~5 ms
     load = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 0, 0.001, 0.005, 512, time.time())
     s.scheduler.update_connector_output(Output(), WorkerNews(loads={(P_ADDRESS.host, P_ADDRESS.handshake_port): load}))
@@ -284,7 +285,7 @@ def test_d_shortens_the_step_in_which_landed_requests_take_their_first_token():
     the ITL target instead, and the step is judged against it."""
     limits: list[int] = []
     config = make_config("kv_consumer", WRITE, placement="adaptive", slo="ttft<1000,mean_itl<50")
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=limits.append))
     _teach_d(s)  # decode steps of ~5 ms
     key = (P_ADDRESS.host, P_ADDRESS.handshake_port)
     busy = PrefillLoad(P_ADDRESS.host, P_ADDRESS.handshake_port, 100_000, 0.001, 0.005, 512, time.time())
@@ -306,7 +307,7 @@ def test_d_shortens_the_step_in_which_landed_requests_take_their_first_token():
     s.scheduler.build_connector_meta(SchedulerOutput({local.request_id: limits[-1], remote.request_id: 1}))
     time.sleep(0.06)  # past the 50 ms this step was sized for, well within the 150 ms response bound
     s.scheduler.update_connector_output(Output())
-    assert s.scheduler.build_connector_meta(SchedulerOutput({})).chunk_steps == ["over"]
+    assert s.scheduler.build_connector_meta(SchedulerOutput({})).chunk_steps_over == [True]
     assert 100 <= limits[-1] <= 125  # the step after is sized as before
     # a transfer reported over twice shortens nothing the second time
     count = len(limits)
@@ -316,7 +317,7 @@ def test_d_shortens_the_step_in_which_landed_requests_take_their_first_token():
 
 def test_static_d_leaves_vllms_prefill_limit_alone():
     limits: list[int] = []
-    s = Scheduler(PDScheduler(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576, chunk=512,
+    s = Scheduler(scheduler_for(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576, chunk=512,
                               set_chunk=limits.append))
     s.scheduler.build_connector_meta(SchedulerOutput({"a": 1}))
     assert limits == []
@@ -324,22 +325,22 @@ def test_static_d_leaves_vllms_prefill_limit_alone():
 
 def test_d_reports_whether_each_step_with_a_local_chunk_kept_its_bound():
     config = make_config("kv_consumer", WRITE, placement="adaptive", max_step_ms=50)
-    s = Scheduler(PDScheduler(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=lambda _: None))
+    s = Scheduler(scheduler_for(config, BLOCK_SIZE, budget=576, chunk=512, set_chunk=lambda _: None))
 
-    def step(scheduled: dict[str, int], seconds: float) -> list[str]:
+    def step(scheduled: dict[str, int], seconds: float) -> list[bool]:
         s.scheduler.build_connector_meta(SchedulerOutput(scheduled))
         time.sleep(seconds)
         s.scheduler.update_connector_output(Output())
-        return s.scheduler.build_connector_meta(SchedulerOutput({})).chunk_steps  # the next plan carries it
+        return s.scheduler.build_connector_meta(SchedulerOutput({})).chunk_steps_over  # the next plan carries it
 
-    assert step({"a": 1, "l": 64}, 0.0) == ["within"]
-    assert step({"a": 1, "l": 64}, 0.06) == ["over"]  # a stream waited past max_step_ms
+    assert step({"a": 1, "l": 64}, 0.0) == [False]  # within its bound
+    assert step({"a": 1, "l": 64}, 0.06) == [True]  # over: a stream waited past max_step_ms
     assert step({"a": 1, "b": 1}, 0.06) == []  # no chunk: a slow decode step is not local prefill's doing
     assert step({"a": 1, "landed": 8}, 0.06) == []  # a landed request's last few prompt tokens are no chunk
     # no stream in the step: the response bound (0.15 x the default 1 s TTFT bound) is the one it keeps
-    assert step({"l": 64}, 0.06) == ["within"]
-    static = Scheduler(PDScheduler(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576))
+    assert step({"l": 64}, 0.06) == [False]
+    static = Scheduler(scheduler_for(make_config("kv_consumer", WRITE), BLOCK_SIZE, budget=576))
     static.scheduler.build_connector_meta(SchedulerOutput({"a": 1, "l": 64}))
     time.sleep(0.06)
     static.scheduler.update_connector_output(Output())
-    assert static.scheduler.build_connector_meta(SchedulerOutput({})).chunk_steps == []  # static D sizes no chunk
+    assert static.scheduler.build_connector_meta(SchedulerOutput({})).chunk_steps_over == []  # static D sizes no chunk

@@ -19,13 +19,13 @@ from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.leg import Leg, LegStatus
 from pdserve.connector.metadata import HoldSpec, StageSpec, StepPlan
-from pdserve.connector.prompt_digest import request_digest
+from pdserve.connector.scheduler.legs.base import Leg, LegStatus
+from pdserve.connector.scheduler.prompt_digest import request_digest
 from pdserve.control.address import PeerAddress
 from pdserve.errors import ProtocolError
 from pdserve.params import Held, build_transfer_params, parse_transfer_params
-from pdserve.placement.decision import Decision, Placement
+from pdserve.placement import Decision, Placement
 
 logger = logging.getLogger("pdserve.connector")
 
@@ -50,8 +50,17 @@ class PrefillHold:
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self._kv_cache_manager = kv_cache_manager
 
-    def track(self, request) -> None:
-        """Host staging: blocks were allocated for `request`, a leg whose prompt is computed here."""
+    def plan_step(self, num_scheduled_tokens: dict[str, int], preempted_ids) -> None:
+        """A step starts: with host staging, plan the stages it makes due (a preempted leg is staged
+        again when its last prompt chunk is computed again)."""
+        if self.stages:
+            self._plan_stages(num_scheduled_tokens)
+
+    def allocated(self, request) -> None:
+        """Blocks were allocated for `request`, a leg whose prompt is computed here: tracked for
+        host staging."""
+        if not self.stages:
+            return
         try:
             params = parse_transfer_params(request.kv_transfer_params, request.request_id, Role.PRODUCER)
         except ProtocolError:
@@ -59,7 +68,7 @@ class PrefillHold:
         if params is not None:
             self._staged[request.request_id] = request
 
-    def plan_stages(self, num_scheduled_tokens: dict[str, int]) -> None:
+    def _plan_stages(self, num_scheduled_tokens: dict[str, int]) -> None:
         """A StageSpec for each tracked leg whose last prompt chunk this step computes (again, after
         a preemption)."""
         for rid, request in self._staged.items():
@@ -106,7 +115,7 @@ class PrefillHold:
         self._plan().holds.append(HoldSpec(rid, params.transfer_id, held.block_ids, held.expires_at, held.prompt_hash))
         return True, build_transfer_params(params.transfer_id, self._config.engine_id, self._own, held, decision)
 
-    def released(self, request_id: str) -> None:
+    def over(self, request_id: str) -> None:
         """The worker reported the hold over (D read the blocks, released them, or the hold expired)."""
         self._held.pop(request_id, None)
 
