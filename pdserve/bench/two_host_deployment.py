@@ -1,10 +1,10 @@
 """`write-two-host` and `read-two-host`: the bench's PD across two network namespaces.
 
 The P and D of `write`/`read` with the same `vllm serve` flags (DeploymentRequest.up_options, as
-on one host), but P and the router on host a and D on host b (pdserve.launch.two_host), so the KV
+on one host), but P and the router on host a and D on host b (pdserve.bench.hosts.two_host), so the KV
 moves over NIXL (transport auto; UCX over TCP on the veth pair). The bench client stays in the
 root namespace and reaches the router through a relay on 127.0.0.1:<port>
-(pdserve.launch.netns_relay), standing where `pdserve up`'s front stands on one host. On the way
+(pdserve.bench.hosts.netns_relay), standing where `pdserve up`'s front stands on one host. On the way
 down, each side's transfer counters go to <log_dir>/transfers.json (which transport each side
 attached, transfers completed, failed, recomputed). Needs root, `ip netns` and `unshare`.
 """
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 NOTE = ("write-two-host / read-two-host: write / read with the same vLLM flags, P and the router in one network "
         "namespace, D in another (veth pair, own PID namespaces), KV over NIXL (UCX TCP); the bench client reaches "
-        "the router through a TCP relay on 127.0.0.1 (pdserve/launch/netns_relay.py).")
+        "the router through a TCP relay on 127.0.0.1 (pdserve/bench/hosts/netns_relay.py).")
 COUNTERS = {"attached_nixl": ("pdserve:kv_peers_attached_total", {"transport": "nixl"}),
             "attached_shm": ("pdserve:kv_peers_attached_total", {"transport": "shm"}),
             "completed": ("pdserve:kv_transfers_completed_total", {}),
@@ -54,8 +54,8 @@ def two_host_unavailable() -> str | None:
 @contextlib.contextmanager
 def two_host_deployment(request: DeploymentRequest, port: int, startup_timeout_s: float) -> Iterator[Endpoint]:
     """Bring `request` up across the two namespaces; the endpoint is the relay on 127.0.0.1:`port`."""
-    from pdserve.launch.netns_relay import Address, netns_relay
-    from pdserve.launch.two_host import ROUTER_PORT, TwoHostPD
+    from pdserve.bench.hosts.netns_relay import Address, netns_relay
+    from pdserve.bench.hosts.two_host import ROUTER_PORT, TwoHostPD
 
     previous = signal.getsignal(signal.SIGTERM)
     options = request.up_options(port, startup_timeout_s)
@@ -71,7 +71,7 @@ def two_host_deployment(request: DeploymentRequest, port: int, startup_timeout_s
 
 
 def _save_transfers(pd, request: DeploymentRequest) -> None:
-    from pdserve.launch.two_host import metric
+    from pdserve.bench.hosts.two_host import metric
 
     try:
         counts = {role: {key: metric(samples, name, **labels) for key, (name, labels) in COUNTERS.items()}

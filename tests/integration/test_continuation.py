@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import pytest
 import requests
 
+from pdserve.bench.samples import metric, parse_samples
 from pdserve.compare import compare_greedy, parse_stream
-from pdserve.launch.samples import metric, parse_samples
 from tests.integration.pd_helpers import model_name
 from tests.integration.pool import kill, shared, wait_back
 

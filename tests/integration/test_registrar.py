@@ -39,8 +39,8 @@ NUM_REQUESTS = 12
 
 
 def test_a_forged_registration_from_another_namespace_gets_no_traffic(tmp_path: Path):
+    from pdserve.bench.hosts.netns import TwoHosts
     from pdserve.control.secret import SECRET_FILE_ENV, generate_secret_file
-    from pdserve.launch.netns import TwoHosts
 
     secret = tmp_path / "secret"
     generate_secret_file(secret)

@@ -8,7 +8,7 @@
 budget per role, prefix caching, enforce_eager, cores divided as on one host), with the same `vllm
 serve` flags per role, so the two can be compared; without it, the test harness's (enforce_eager,
 512-token steps on both roles). Needs root (network and PID namespaces). Ports 30000-30022 inside the
-namespaces (with tensor parallelism, 2 more after each instance's HTTP port per rank beyond the first). `python -m pdserve.launch.two_host client ...` is what runs inside a namespace for
+namespaces (with tensor parallelism, 2 more after each instance's HTTP port per rank beyond the first). `python -m pdserve.bench.hosts.two_host client ...` is what runs inside a namespace for
 the helpers below (wait, greedy, metrics, model).
 """
 
@@ -23,11 +23,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pdserve.bench.hosts.netns import TwoHosts
+from pdserve.bench.samples import metric, parse_samples  # noqa: F401  (metric: re-exported)
 from pdserve.errors import LaunchError
 from pdserve.launch.cores import divide_cores
-from pdserve.launch.netns import TwoHosts
 from pdserve.launch.options import UpOptions
-from pdserve.launch.samples import metric, parse_samples  # noqa: F401  (metric: re-exported)
 
 ROUTER_PORT, PREFILL_PORT, DECODE_PORT = 30000, 30010, 30020
 CHUNK_TOKENS = 512
@@ -127,7 +127,7 @@ class TwoHostPD:
 
     def client(self, *args: str, host: str = "a", timeout: float = 600) -> str:
         """This module's `client` subcommand on `host`; its stdout (LaunchError on failure)."""
-        argv = [sys.executable, "-m", "pdserve.launch.two_host", "client", *args]
+        argv = [sys.executable, "-m", "pdserve.bench.hosts.two_host", "client", *args]
         return self._run(host, argv, f"client {args[0]}", timeout)
 
     def client_script(self, script: str, *args: str, host: str = "a", timeout: float = 1800) -> str:
