@@ -21,6 +21,8 @@ import subprocess
 from typing import Iterator
 
 from pdserve.bench.deployment import DeploymentRequest, Endpoint, check_model
+from pdserve.bench.hosts import netns_relay, two_host
+from pdserve.bench.samples import metric
 from pdserve.errors import LaunchError
 
 logger = logging.getLogger(__name__)
@@ -54,25 +56,20 @@ def two_host_unavailable() -> str | None:
 @contextlib.contextmanager
 def two_host_deployment(request: DeploymentRequest, port: int, startup_timeout_s: float) -> Iterator[Endpoint]:
     """Bring `request` up across the two namespaces; the endpoint is the relay on 127.0.0.1:`port`."""
-    from pdserve.bench.hosts.netns_relay import Address, netns_relay
-    from pdserve.bench.hosts.two_host import ROUTER_PORT, TwoHostPD
-
     previous = signal.getsignal(signal.SIGTERM)
     options = request.up_options(port, startup_timeout_s)
-    with TwoHostPD(options=options, log_dir=request.log_dir, connector_extra={}) as pd:
+    with two_host.TwoHostPD(options=options, log_dir=request.log_dir, connector_extra={}) as pd:
         if callable(previous):  # the bench's own SIGTERM handling (unwind like Ctrl-C) stays in force
             signal.signal(signal.SIGTERM, previous)
-        router = Address(pd.hosts.ip("a"), ROUTER_PORT)
-        with netns_relay(Address("127.0.0.1", port), pd.hosts.namespaces["a"], router,
-                         request.log_dir / "relay.log") as relay:
+        router = netns_relay.Address(pd.hosts.ip("a"), two_host.ROUTER_PORT)
+        with netns_relay.netns_relay(netns_relay.Address("127.0.0.1", port), pd.hosts.namespaces["a"], router,
+                                     request.log_dir / "relay.log") as relay:
             model = check_model(pd.served_model("prefill"), request.model_dir, f"{pd.url('prefill')} (host a)")
             yield Endpoint(relay.url, model)
         _save_transfers(pd, request)
 
 
 def _save_transfers(pd, request: DeploymentRequest) -> None:
-    from pdserve.bench.hosts.two_host import metric
-
     try:
         counts = {role: {key: metric(samples, name, **labels) for key, (name, labels) in COUNTERS.items()}
                   for role in ("prefill", "decode") for samples in [pd.metrics(role)]}
