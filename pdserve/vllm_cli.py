@@ -51,7 +51,7 @@ apply()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from vllm.entrypoints.cli.main import main as vllm_main  # lazy: heavy, imported once the version patch is in place
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
     result = vllm_main()

@@ -3,7 +3,7 @@
 Configurations (one brought up at a time, P on core 0, D on core 1, vllm-router in front):
   shm            one host, transport shm
   nixl-local     one host, transport nixl (UCX picks CMA between the two processes)
-  nixl-two-host  P and router on host a, D on host b (network + PID namespaces, pdserve/launch/two_host.py),
+  nixl-two-host  P and router on host a, D on host b (network + PID namespaces, pdserve/bench/hosts/two_host.py),
                  transport auto, which must pick NIXL (UCX over TCP on the veth pair)
 For each: a warm-up, then N requests of fresh random 2,000-token prompts, one at a time, each with a
 plain twin sent straight to P (bench_pd_transfer.py's method): PD TTFT vs plain TTFT, P's prefill
@@ -95,7 +95,7 @@ def same_host(config: str, mode: str, args, prompts: Prompts) -> tuple[list[Samp
 
 
 def two_host(mode: str, args, prompts: Prompts) -> tuple[list[Sample], int]:
-    from pdserve.launch.two_host import TwoHostPD
+    from pdserve.bench.hosts.two_host import TwoHostPD
 
     with TwoHostPD(mode, model=args.model, enforce_eager=args.enforce_eager) as pd:
         out = pd.client_script(str(Path(__file__).resolve()), "measure", "--mode", mode, "--router", pd.router_url,

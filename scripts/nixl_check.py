@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdserve.bench.hosts.two_host import TIMEOUTS, TwoHostPD, metric  # noqa: E402
 from pdserve.compare import compare_greedy  # noqa: E402
 from pdserve.errors import LaunchError  # noqa: E402
-from pdserve.launch.two_host import TIMEOUTS, TwoHostPD, metric  # noqa: E402
 from tests.integration.pd_helpers import greedy, metrics, pd_cluster, pd_pair, prompts  # noqa: E402
 
 PROMPTS = prompts()

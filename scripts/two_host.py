@@ -1,7 +1,7 @@
-"""PD across two "hosts" on one machine, from the command line (pdserve.launch.two_host).
+"""PD across two "hosts" on one machine, from the command line (pdserve.bench.hosts.two_host).
 
     python scripts/two_host.py up --mode write     # router + P on host a, D on host b, until Ctrl-C
-    python scripts/two_host.py client ...          # inside a namespace (same as python -m pdserve.launch.two_host client)
+    python scripts/two_host.py client ...          # inside a namespace (same as python -m pdserve.bench.hosts.two_host client)
 
 Needs root (network and PID namespaces). `TwoHostPD` and `metric` are importable from here too.
 """
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pdserve.launch.two_host import TwoHostPD, add_client_parser, metric, run_client  # noqa: E402
+from pdserve.bench.hosts.two_host import TwoHostPD, add_client_parser, metric, run_client  # noqa: E402
 
 __all__ = ["TwoHostPD", "metric"]
 

@@ -27,10 +27,14 @@ from pathlib import Path
 from pdserve.bench import args as check
 from pdserve.bench.budget import TWO_HOST_CONFIGS, TWO_HOST_SUFFIX, base_config
 from pdserve.bench.deployment import BENCH_PORT
+from pdserve.bench.launcher_deployer import LauncherDeployer
 from pdserve.bench.plan import KNOWN_CONFIGS, BenchPlan
 from pdserve.bench.presets import OPTIONAL_CONFIGS, PRESETS, RATIONALE, WORKLOADS, preset, with_workload
+from pdserve.bench.two_host_deployment import NOTE as TWO_HOST_NOTE
 from pdserve.errors import ConfigError
 from pdserve.launch.arguments import positive_int, token_count
+from pdserve.launch.nixl_mode import WORKAROUNDS_NOTE, ensure_nixl
+from pdserve.paths import work_dir
 
 # the flags that set each field of a plan, for a refusal that names what to change
 PLAN_FLAGS = {
@@ -178,8 +182,6 @@ def given_plan_flags(args: argparse.Namespace) -> list[str]:
 
 def default_out(args: argparse.Namespace) -> Path:
     """A new run directory under the work directory, named after the preset and workload."""
-    from pdserve.paths import work_dir
-
     name = args.preset or "default"
     if args.workload and args.workload != "random":
         name += f"-{args.workload}"
@@ -191,8 +193,6 @@ def drop_unregistered(plan: BenchPlan, explicit: bool) -> tuple[BenchPlan, list[
     with a note; asked for explicitly (--configs), they stay and the run refuses them."""
     if explicit:
         return plan, []
-    from pdserve.bench.launcher_deployer import LauncherDeployer
-
     deployer = LauncherDeployer()
     missing = [c for c in plan.configs if base_config(c) in OPTIONAL_CONFIGS and deployer.unavailable(c)]
     if not missing:
@@ -206,8 +206,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report_only:
         return _report_only(args)
     plan = checked_plan(args)
-    # the deliberate lazy import: results, runner and model code load only when a run starts
-    from pdserve.bench.results import PlanMismatch, ResultsDir
+    from pdserve.bench.results import PlanMismatch, ResultsDir  # lazy: numpy, loaded only when a run starts
 
     results = ResultsDir(args.out or default_out(args))
     if args.out is not None and results.plan_path.exists() and not given_plan_flags(args):
@@ -216,10 +215,8 @@ def run(args: argparse.Namespace) -> int:
         plan, dropped = drop_unregistered(plan, explicit=bool(args.configs))
         notes = [*_notes(args, plan), *dropped]
     if "nixl" in plan.configs or any(c in TWO_HOST_CONFIGS for c in plan.configs):
-        from pdserve.launch.nixl_mode import ensure_nixl  # two hosts: the KV moves over pdserve's NIXL transport
-
-        ensure_nixl()
-    from pdserve.model.build import resolve_model
+        ensure_nixl()  # two hosts: the KV moves over pdserve's NIXL transport
+    from pdserve.model.build import resolve_model  # lazy: torch, loaded only when a run starts
 
     model_dir = resolve_model(plan.model)  # before the plan is stored: a model that fails blocks nothing
     try:
@@ -228,8 +225,7 @@ def run(args: argparse.Namespace) -> int:
         flags = sorted({PLAN_FLAGS.get(f, f) for f in exc.fields})
         raise ConfigError(f"--out: {exc.root} holds a run measured with other {', '.join(flags)}; give --out "
                           f"alone to resume it, or leave out --out for a new run") from None
-    from pdserve.bench.launcher_deployer import LauncherDeployer
-    from pdserve.bench.runner import Runner, estimate_s
+    from pdserve.bench.runner import Runner, estimate_s  # lazy: scipy and matplotlib, loaded only when a run starts
 
     print(f"pdserve bench: {len(plan.configs)} configurations, about {estimate_s(plan) / 60:.0f} min from scratch "
           f"(estimate) -> {results.root}", file=sys.stderr)
@@ -254,13 +250,9 @@ def _notes(args: argparse.Namespace, plan: BenchPlan) -> list[str]:
     changed = [k for k, v in plan.to_json().items() if base[k] != v]
     notes = [RATIONALE[name] + (f" Overridden here: {', '.join(changed)}." if changed else "")]
     if "nixl" in plan.configs:
-        from pdserve.launch.nixl_mode import WORKAROUNDS_NOTE
-
         notes.append(WORKAROUNDS_NOTE)
     if any(c in TWO_HOST_CONFIGS for c in plan.configs):
-        from pdserve.bench.two_host_deployment import NOTE
-
-        notes.append(NOTE)
+        notes.append(TWO_HOST_NOTE)
     return notes
 
 
@@ -274,8 +266,8 @@ def _report_only(args: argparse.Namespace) -> int:
     if args.out is None or given:
         raise ConfigError("--report-only needs --out DIR (the run to report) and takes no plan flags"
                           + (f" (got {', '.join(given)})" if given else ""))
-    from pdserve.bench.results import ResultsDir
-    from pdserve.bench.runner import publish
+    from pdserve.bench.results import ResultsDir  # lazy: numpy, loaded only when a report is written
+    from pdserve.bench.runner import publish  # lazy: scipy and matplotlib, loaded only when a report is written
 
     results = ResultsDir(args.out)
     plan = results.open_plan(None)

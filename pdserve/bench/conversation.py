@@ -94,7 +94,7 @@ async def _turn(session, url: str, model: str, messages: list[dict], output_len:
 
 
 async def run(base_url: str, model: str, workload: Workload, seed: int, rate: float) -> dict:
-    import aiohttp
+    import aiohttp  # lazy: heavy, only the conversation workload's client needs it
 
     starts = arrival_times(seed, workload.num_prompts, rate, workload.burstiness)
     messages = user_messages(workload, seed, rate)

@@ -17,13 +17,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pdserve.bench.budget import PLAIN_CONFIGS, TWO_HOST_CONFIGS, TWO_HOST_SUFFIX, Budget, base_config
 from pdserve.errors import ConfigError, LaunchError
+from pdserve.launch.options import UpOptions
 
-if TYPE_CHECKING:
-    from pdserve.launch.options import UpOptions
 
 @dataclass(frozen=True)
 class DeploymentRequest:
@@ -60,8 +59,6 @@ class DeploymentRequest:
 
     def up_options(self, port: int, startup_timeout_s: float) -> UpOptions:
         """What the launcher gets for this configuration, on one host or across two."""
-        from pdserve.launch.options import UpOptions
-
         prefill_budget, decode_budget = self.role_budgets
         return UpOptions(mode=self.mode, model=str(self.model_dir), port=port, prefix_caching=self.prefix_caching,
                          extra_vllm_args=self.extra_vllm_args, prefill_budget=prefill_budget,

@@ -6,8 +6,10 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
+from pdserve import launch
 from pdserve.bench.deployment import BENCH_PORT, DeploymentRequest, Endpoint, expect_model
 from pdserve.bench.two_host_deployment import two_host_deployment, two_host_unavailable
+from pdserve.launch import known_modes
 
 
 class LauncherDeployer:
@@ -21,9 +23,6 @@ class LauncherDeployer:
         request = DeploymentRequest(config, Path("."), Path("."))
         if request.two_host:
             return two_host_unavailable()
-        import pdserve.launch.nixl_mode  # noqa: F401  registers the `nixl` mode
-        from pdserve.launch import known_modes
-
         mode = request.mode
         modes = known_modes()
         if mode not in modes:
@@ -37,8 +36,6 @@ class LauncherDeployer:
 
     @contextlib.contextmanager
     def _same_host(self, request: DeploymentRequest) -> Iterator[Endpoint]:
-        from pdserve import launch
-
         cluster = launch.up(request.up_options(self.port, self.startup_timeout_s))
         try:
             cluster.wait_healthy(self.startup_timeout_s)

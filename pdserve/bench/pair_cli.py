@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.pairing import Side, pair, render
+    from pdserve.bench.pairing import Side, pair, render  # lazy: scipy, loaded only when the command runs
 
     if args.out is not None and args.out.is_dir():
         raise ConfigError(f"--out: {args.out} is a directory (give a file)")

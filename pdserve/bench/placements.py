@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from pdserve.launch.samples import parse_samples
+from pdserve.bench.samples import parse_samples
 from pdserve.placement.chunk_size import OVER
 
 METRIC = "pdserve:placements_total"

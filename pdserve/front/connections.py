@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from pdserve.front.exchange import RelayBrokeOff
 from pdserve.front.openai_error import OpenAIError
+from pdserve.front.relay import RelayBrokeOff
 
 logger = logging.getLogger(__name__)
 

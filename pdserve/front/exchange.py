@@ -19,162 +19,44 @@ relayed are never resent.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
 import yarl
 from aiohttp import web
-from multidict import CIMultiDict
 
 from pdserve.front.body import BodyRefused, RequestBody
 from pdserve.front.config import FrontConfig, Upstream
 from pdserve.front.continuation import COMPLETIONS, Follow
-from pdserve.front.headers import forbidden_header, request_headers, response_headers
+from pdserve.front.headers import forbidden_header, request_headers
 from pdserve.front.instances import InstancePool
 from pdserve.front.intake import Intake, RequestRefused
 from pdserve.front.metrics import CONTENT_TYPE, CONTINUED, FAILED_NO_INSTANCE, RETRIED, FrontMetrics
 from pdserve.front.openai_error import ErrorBody, OpenAIError, from_upstream
+from pdserve.front.relay import Relay, RelayBrokeOff
 from pdserve.front.routes import Routes
+from pdserve.front.upstream import (
+    MAX_ERROR_BODY_BYTES,
+    RESENT_STATUSES,
+    TooLarge,
+    Unanswered,
+    client_error,
+    error_message,
+    read_bounded,
+    resend_reason,
+    upload,
+)
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 10.0
 MODELS_PATH = "/v1/models"
 METRICS_PATH = "/metrics"
-# not 504: a router's gateway timeout may leave its instance computing the request
-RESENT_STATUSES = frozenset({500, 502, 503})
-MAX_ERROR_BODY_BYTES = 1 << 20  # error bodies and /v1/models answers, read whole
 # vLLM's server (uvicorn) closes a connection idle for 5 s: the pool lets go of it first, so it
 # never sends a request on a connection the instance is closing
 UPSTREAM_KEEPALIVE_S = 4.0
-# A piece this small written to an empty send buffer cannot wait for the client to read (asyncio
-# pauses writing at 64 KiB buffered): it is written without a timer, a third of the CPU a relayed
-# piece costs
-UNBLOCKED_WRITE_BYTES = 16 << 10
-UPLOAD_WHOLE_BYTES = 1 << 20  # a larger request body is sent upstream piece by piece (_upload)
-
-
-class RelayBrokeOff(Exception):
-    """A response failed after its head was relayed (the upstream broke off or went silent, or the
-    client stopped reading): only closing the connection tells the client."""
-
-
-class _TooLarge(Exception):
-    pass
-
-
-class _Unanswered(Exception):
-    """`upstream` failed before anything reached the client, and left nothing running there:
-    resending the request elsewhere runs it once. `reason` labels the resend's count; `answer` is
-    the client's answer where nothing is resent."""
-
-    def __init__(self, upstream: Upstream, reason: str, what: str, answer: OpenAIError | ErrorBody) -> None:
-        super().__init__(what)
-        self.upstream = upstream
-        self.reason = reason
-        self.what = what
-        self.answer = answer
-
-
-def _resend_reason(exc: BaseException) -> str | None:
-    """Why a failure before the response head leaves nothing running upstream; None where it may not
-    (a silent upstream may still be computing)."""
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return "connect"
-    if isinstance(exc, TimeoutError):
-        return None
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
-        return "disconnected"
-    return None
-
-
-def _message(error: ErrorBody) -> str:
-    return json.loads(error.body)["error"]["message"]  # from_upstream made it OpenAI's shape
-
-
-def _failure(upstream: Upstream, exc: BaseException, idle_timeout: float) -> OpenAIError:
-    """What the client is told when `upstream` failed before its response head: named, its address
-    only logged (a client is not told the deployment's internal addresses)."""
-    logger.warning("front: the %s at %s failed: %r", upstream.name, upstream.url, exc)
-    where = f"the {upstream.name}"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        cause = os.strerror(exc.os_error.errno) if exc.os_error.errno else type(exc.os_error).__name__
-        return OpenAIError(502, f"{where} is unreachable ({cause})")
-    if isinstance(exc, TimeoutError):
-        return OpenAIError(504, f"{where} sent no answer in {idle_timeout:.0f} s")
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return OpenAIError(502, f"{where} closed the connection without answering")
-    if isinstance(exc, aiohttp.ClientResponseError):
-        return OpenAIError(502, f"{where} answered something that is not HTTP/1.1: {exc.message}")
-    if isinstance(exc, _TooLarge):
-        return OpenAIError(502, f"{where} answered more than {MAX_ERROR_BODY_BYTES} bytes")
-    return OpenAIError(502, f"{where} failed: {type(exc).__name__}")
-
-
-def _upload(body: RequestBody, headers: CIMultiDict[str]) -> bytes | bytearray | aiohttp.Payload | None:
-    """What aiohttp sends as `body`: whole if small; else piece by piece with its length in `headers`,
-    so that neither a copy of it nor more than a piece waits in a send buffer."""
-    if body.num_bytes <= UPLOAD_WHOLE_BYTES:
-        return body.raw or None
-
-    async def pieces() -> AsyncIterator[bytes | memoryview]:
-        for piece in body.pieces():
-            yield piece
-
-    headers["Content-Length"] = str(body.num_bytes)
-    return aiohttp.AsyncIterablePayload(pieces())
-
-
-async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes:
-    body = bytearray()
-    while chunk := await content.readany():
-        body += chunk
-        if len(body) > limit:
-            raise _TooLarge()
-    return bytes(body)
-
-
-class _Relay:
-    """The client's side of one relayed success: its head is sent with the first piece written."""
-
-    def __init__(self, request: web.BaseRequest, answer: aiohttp.ClientResponse, idle_timeout: float,
-                 rewritten: bool) -> None:
-        self._request = request
-        self._idle_timeout = idle_timeout
-        headers = response_headers(answer.headers)
-        if rewritten:  # a followed stream's events are rewritten: its length is not the upstream's
-            headers.popall("Content-Length", None)
-        self.response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=headers)
-
-    @property
-    def started(self) -> bool:
-        return self.response.prepared
-
-    async def write(self, piece: bytes) -> None:
-        """`piece` to the client; RelayBrokeOff where the client does not take it within the idle timeout."""
-        if not piece:
-            return
-        try:
-            if not self.started:
-                await self.response.prepare(self._request)
-            client = self._request.transport
-            if client is not None and client.get_write_buffer_size() == 0 and len(piece) <= UNBLOCKED_WRITE_BYTES:
-                await self.response.write(piece)  # cannot wait on the client: nothing to time
-            else:
-                async with asyncio.timeout(self._idle_timeout):
-                    await self.response.write(piece)
-        except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
-            raise RelayBrokeOff(f"{self._request.method} {self._request.path}: the client: {exc!r}") from exc
-
-    async def finish(self) -> web.StreamResponse:
-        if not self.started:
-            await self.response.prepare(self._request)
-        await self.response.write_eof()
-        return self.response
 
 
 class Exchange:
@@ -249,7 +131,7 @@ class Exchange:
             return self._no_instance(())
         try:
             return await self._forward(request, body, upstream, self._follow(request, body))
-        except _Unanswered as failure:
+        except Unanswered as failure:
             if not self.instances.sources:
                 return failure.answer.response()
             first = failure
@@ -261,14 +143,14 @@ class Exchange:
         logger.info("front: %s %s resent to the %s: %s", request.method, request.path, instance.name, first.what)
         try:
             return await self._forward(request, body, instance, self._follow(request, body))
-        except _Unanswered as second:
+        except Unanswered as second:
             return self._no_instance((first, second))
 
     def _follow(self, request: web.BaseRequest, body: RequestBody) -> Follow | None:
         """A streamed generation to follow, so that it can be continued (only with instances to continue on)."""
         return Follow.start(request.method, request.path, body) if self.instances.sources else None
 
-    def _no_instance(self, failures: tuple[_Unanswered, ...]) -> web.Response:
+    def _no_instance(self, failures: tuple[Unanswered, ...]) -> web.Response:
         self.metrics.count(FAILED_NO_INSTANCE)
         tried = {failure.upstream for failure in failures}
         causes = [failure.what for failure in failures]
@@ -278,46 +160,46 @@ class Exchange:
     async def _forward(self, request: web.BaseRequest, body: RequestBody, upstream: Upstream,
                        follow: Follow | None = None) -> web.StreamResponse:
         """`upstream`'s answer to the request, relayed (through `follow`, which also sets the body
-        sent); _Unanswered where it failed leaving nothing to relay and nothing running."""
+        sent); Unanswered where it failed leaving nothing to relay and nothing running."""
         assert self._session is not None
         url = yarl.URL(upstream.url + request.raw_path, encoded=True)
         sent = follow.upstream_body if follow is not None else body
         headers = request_headers(request.headers)
         try:
-            answer = await self._session.request(request.method, url, headers=headers, data=_upload(sent, headers),
+            answer = await self._session.request(request.method, url, headers=headers, data=upload(sent, headers),
                                                  allow_redirects=False)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            failure = _failure(upstream, exc, self._limits.idle_timeout)
+            failure = client_error(upstream, exc, self._limits.idle_timeout)
             if isinstance(exc, aiohttp.ClientOSError):  # refused or reset
                 self.instances.mark_down(upstream, str(exc))
-            if (reason := _resend_reason(exc)) is None:
+            if (reason := resend_reason(exc)) is None:
                 return failure.response()
-            raise _Unanswered(upstream, reason, failure.message, failure) from exc
+            raise Unanswered(upstream, reason, failure.message, failure) from exc
         async with answer:
             if answer.status >= 400:
                 try:
-                    error_body = await _read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
-                except (aiohttp.ClientError, TimeoutError, _TooLarge) as exc:
-                    return _failure(upstream, exc, self._limits.idle_timeout).response()
+                    error_body = await read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
+                except (aiohttp.ClientError, TimeoutError, TooLarge) as exc:
+                    return client_error(upstream, exc, self._limits.idle_timeout).response()
                 error = self._unaddressed(from_upstream(answer.status, error_body, f"{request.method} {request.path}"))
                 if answer.status in RESENT_STATUSES:
-                    what = f"the {upstream.name} answered {answer.status}: {_message(error)}"
-                    raise _Unanswered(upstream, "upstream_5xx", what, error)
+                    what = f"the {upstream.name} answered {answer.status}: {error_message(error)}"
+                    raise Unanswered(upstream, "upstream_5xx", what, error)
                 return error.response()
             return await self._relay(request, answer, upstream, follow)
 
     async def _relay(self, request: web.BaseRequest, answer: aiohttp.ClientResponse, upstream: Upstream,
                      follow: Follow | None) -> web.StreamResponse:
         """A success, piece by piece as it arrives (through `follow`); its head goes with its first
-        piece, so that a body that breaks before it is still _Unanswered. A followed stream that
+        piece, so that a body that breaks before it is still Unanswered. A followed stream that
         broke off after tokens reached the client is continued (_continue)."""
-        relay = _Relay(request, answer, self._limits.idle_timeout, follow is not None)
+        relay = Relay(request, answer, self._limits.idle_timeout, follow is not None)
         while True:
             try:
                 piece = await answer.content.readany()
             except TimeoutError as exc:  # a silent upstream may still be computing: never resent
                 if not relay.started:
-                    return _failure(upstream, exc, self._limits.idle_timeout).response()
+                    return client_error(upstream, exc, self._limits.idle_timeout).response()
                 raise RelayBrokeOff(f"{request.method} {request.path}: {exc!r}") from exc
             except aiohttp.ClientError as exc:
                 if isinstance(exc, aiohttp.ClientOSError):  # reset
@@ -325,7 +207,7 @@ class Exchange:
                 if not relay.started:
                     logger.warning("front: the %s at %s broke off its answer: %r", upstream.name, upstream.url, exc)
                     what = f"the {upstream.name} broke off its answer before its body ({type(exc).__name__})"
-                    raise _Unanswered(upstream, "broke_before_first_byte", what, OpenAIError(502, what)) from exc
+                    raise Unanswered(upstream, "broke_before_first_byte", what, OpenAIError(502, what)) from exc
                 if follow is None or not follow.unfinished():
                     raise RelayBrokeOff(f"{request.method} {request.path}: {exc!r}") from exc
                 break
@@ -336,7 +218,7 @@ class Exchange:
             await self._continue(request, relay, follow, upstream)
         return await relay.finish()
 
-    async def _continue(self, request: web.BaseRequest, relay: _Relay, follow: Follow, broken: Upstream) -> None:
+    async def _continue(self, request: web.BaseRequest, relay: Relay, follow: Follow, broken: Upstream) -> None:
         """Continue each unfinished choice of `follow` on a live instance, its events spliced into
         `relay`; then end the stream (with an error event where a choice could not be finished
         exactly: Follow.refusal)."""
@@ -369,12 +251,12 @@ class Exchange:
             try:
                 async with self._session.post(f"{instance.url}{COMPLETIONS}", data=body, headers=headers) as answer:
                     if answer.status != 200:
-                        error = await _read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
+                        error = await read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
                         failure = f"the continuation on the {instance.name} answered {answer.status}: {error[:200]!r}"
                         break
                     while piece := await answer.content.readany():
                         await relay.write(follow.feed_continuation(index, piece))
-            except (aiohttp.ClientError, TimeoutError, _TooLarge) as exc:
+            except (aiohttp.ClientError, TimeoutError, TooLarge) as exc:
                 logger.warning("front: the continuation on the %s at %s failed: %r", instance.name, instance.url, exc)
                 failure = f"the continuation on the {instance.name} failed ({type(exc).__name__})"
                 break
@@ -386,9 +268,9 @@ class Exchange:
             assert self._session is not None
             try:
                 async with self._session.get(f"{instance.url}{MODELS_PATH}") as answer:
-                    models = json.loads(await _read_bounded(answer.content, MAX_ERROR_BODY_BYTES))
+                    models = json.loads(await read_bounded(answer.content, MAX_ERROR_BODY_BYTES))
                 self._max_model_lens[instance] = int(models["data"][0]["max_model_len"])
-            except (aiohttp.ClientError, TimeoutError, _TooLarge, ValueError, LookupError, TypeError) as exc:
+            except (aiohttp.ClientError, TimeoutError, TooLarge, ValueError, LookupError, TypeError) as exc:
                 logger.warning("front: the %s at %s did not tell its max_model_len: %r", instance.name, instance.url, exc)
                 return None
         return self._max_model_lens[instance]
@@ -409,9 +291,9 @@ class Exchange:
             try:
                 async with self._session.get(f"{source.url}{MODELS_PATH}", headers=request_headers(request.headers)
                                              ) as answer:
-                    body = await _read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
-            except (aiohttp.ClientError, TimeoutError, _TooLarge) as exc:
-                failures.append(f"{source.name}: {_failure(source, exc, self._limits.idle_timeout).message}")
+                    body = await read_bounded(answer.content, MAX_ERROR_BODY_BYTES)
+            except (aiohttp.ClientError, TimeoutError, TooLarge) as exc:
+                failures.append(f"{source.name}: {client_error(source, exc, self._limits.idle_timeout).message}")
                 continue
             if answer.status == 200:
                 content_type = answer.headers.get("Content-Type", "application/json")

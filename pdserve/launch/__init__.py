@@ -29,7 +29,7 @@ __all__ = ["Cluster", "Deployment", "InstanceSpec", "RouterSpec", "UpOptions", "
 
 def up(options: UpOptions) -> Cluster:
     """Plan the deployment for options.mode, build/resolve the model, and start it (not yet healthy)."""
-    from pdserve.model.build import resolve_model
+    from pdserve.model.build import resolve_model  # lazy: torch, only building a model needs it
 
     plan(options)  # an unknown mode fails before any model is built
     model = options.model if is_hub_id(options.model) else str(resolve_model(options.model))

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from pdserve.errors import ConfigError
-from pdserve.launch.options import MAX_TP, parse_bytes
+from pdserve.launch.options import MAX_INSTANCES_PER_ROLE, MAX_TP, parse_bytes
+from pdserve.model.archs import builtin_models
 from pdserve.slo import SLO
 
 MIN_KV_CACHE_BYTES = 16 << 20
@@ -78,8 +79,6 @@ def token_count(text: str) -> int:
 
 
 def instance_count(text: str) -> int:
-    from pdserve.launch.options import MAX_INSTANCES_PER_ROLE
-
     return _integer(text, 1, MAX_INSTANCES_PER_ROLE, f"a number of instances in 1..{MAX_INSTANCES_PER_ROLE}")
 
 
@@ -242,8 +241,6 @@ def output_directory(text: str) -> Path:
 
 def model(text: str) -> str:
     """A built-in model's name (tiny, small, ARCH-tiny: built on first use), or what model_location accepts."""
-    from pdserve.model.archs import builtin_models
-
     return text if text in builtin_models() else _model_location(text, "a built-in name (tiny, small, ARCH-tiny), ")
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve import launch
 from pdserve.errors import ConfigError, LaunchError
 from pdserve.launch import arguments as arg
 from pdserve.launch.cluster import Cluster
@@ -171,8 +172,6 @@ def _stop(cluster: Cluster) -> None:
 
 def started(options: UpOptions) -> Cluster:
     """Start and wait; SIGTERM during start or serve unwinds through the caller's `finally`."""
-    from pdserve import launch
-
     _log_to_stderr()
     signal.signal(signal.SIGTERM, _raise_terminated)
     print(f"pdserve: {options.mode} mode: {mode_descriptions()[options.mode]}", flush=True)
@@ -253,7 +252,7 @@ def _detach(options: UpOptions) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from pdserve.launch.demo import client_session
+    from pdserve.launch.demo import client_session  # lazy: requests, only `pdserve demo` needs it
 
     options = checked_options(args)
     cluster = None

@@ -11,6 +11,7 @@ from pdserve.launch.cores import omp_threads_bind
 from pdserve.launch.env import vllm_env
 from pdserve.launch.process import ProcessSpec
 from pdserve.launch.shm_namespace import confine, tmpfs_bytes
+from pdserve.model.archs import builtin_models
 
 HOST = "127.0.0.1"
 SERVED_NAME_FLAG = "--served-model-name"
@@ -21,8 +22,6 @@ def served_name_args(model: str) -> tuple[str, ...]:
     as `vllm serve` names a model by its argument; vLLM would name it by the directory it was built
     in. A directory or a Hugging Face id needs none. Placed before the user's flags, so that a
     `--served-model-name` among those wins."""
-    from pdserve.model.archs import builtin_models
-
     return (SERVED_NAME_FLAG, model) if model in builtin_models() else ()
 
 

@@ -6,9 +6,10 @@ launch.cores.divide_cores shares them where there are fewer); vllm-router (`--vl
 request to P with max_tokens=1 and forwards P's kv_transfer_params to D, which pulls the KV
 blocks over NIXL/UCX on loopback. This is the baseline pdserve's own connector is measured against.
 
-Two CPU workarounds are applied to these instances only, by a `sitecustomize` on their PYTHONPATH
-(pdserve/launch/nixl_patch/sitecustomize.py; see shared/research/pd-effect-cpu.md §2): without
-them P's model forward is moved onto D's core and a busy-polling progress thread halves both.
+Two CPU workarounds are applied to these instances only, by pdserve's `sitecustomize` on their
+PYTHONPATH and the variables that switch them on (pdserve/vllm_patches/nixl_cpu.py; see
+shared/research/pd-effect-cpu.md §2): without them P's model forward is moved onto D's core and a
+busy-polling progress thread halves both.
 
 nixl is not part of the base install: `ensure_nixl()` installs it (nixl 1.5.2 pins a nixl-cu12 that
 PyPI lacks, so both wheels are fetched without dependencies and installed with --no-deps).
@@ -30,14 +31,14 @@ from pdserve.launch.cores import divide_cores, sharing_warning
 from pdserve.launch.modes import Deployment, plain_instance, register
 from pdserve.launch.options import UpOptions
 from pdserve.launch.router import RouterSpec
+from pdserve.vllm_patches.torch_extensions import STARTUP_DIRECTORY
 
-PATCH_DIR = Path(__file__).with_name("nixl_patch")
 NIXL_WHEELS = ("nixl==1.5.2", "nixl-cu12==1.5.1")
 PTHR_DELAY_US = 2000
 
 WORKAROUNDS_NOTE = (
     "nixl: vLLM NixlConnector (kv_buffer_device cpu, UCX over loopback: UCX_TLS=self,sm,tcp) with two CPU "
-    "workarounds on its two instances only (pdserve/launch/nixl_patch/sitecustomize.py): (1) the NIXL "
+    "workarounds on its two instances only (pdserve/vllm_patches/nixl_cpu.py): (1) the NIXL "
     "worker's os.sched_setaffinity(0, [last core]) is a no-op, so P's compute thread stays on its own core; "
     f"(2) the UCX progress thread polls with a {PTHR_DELAY_US} us timeout instead of busy-spinning "
     "(nixl hardcodes pthrDelay=0). Without them NixlConnector on 2 cores has goodput 0 (pd-effect-cpu.md §2)."
@@ -77,7 +78,7 @@ def _nixl_env(side_channel_port: int) -> dict[str, str]:
         # each instance has a private /dev/shm (shm_namespace): UCX's posix shared memory must be
         # attached through /proc/<pid>/fd (UCX's default, pinned here), never by its /dev/shm name
         "UCX_POSIX_USE_PROC_LINK": "y",
-        "PYTHONPATH": f"{PATCH_DIR}{os.pathsep}{inherited}" if inherited else str(PATCH_DIR),
+        "PYTHONPATH": f"{STARTUP_DIRECTORY}{os.pathsep}{inherited}" if inherited else str(STARTUP_DIRECTORY),
         "PDSERVE_NIXL_NO_AFFINITY": "1",
         "PDSERVE_NIXL_PTHR_DELAY_US": str(PTHR_DELAY_US),
     }

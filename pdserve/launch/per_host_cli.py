@@ -18,6 +18,9 @@ from pdserve.config import TRANSPORTS
 from pdserve.control.secret import SECRET_FILE_ENV
 from pdserve.errors import ConfigError
 from pdserve.launch import arguments as arg
+from pdserve.launch.cores import sharing_warning
+from pdserve.launch.env import prepare
+from pdserve.launch.per_host import Endpoint, InstanceOptions, RouterOptions, instance_command, router_command
 
 STOP_DEADLINE_S = 30.0
 
@@ -70,11 +73,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_instance(args) -> int:
-    # the command builders are imported when a command runs, so that building the parser stays light
-    from pdserve.launch.cores import sharing_warning
-    from pdserve.launch.env import prepare
-    from pdserve.launch.per_host import Endpoint, InstanceOptions, instance_command
-
     if args.vllm_args and args.vllm_args[0] != "--":
         raise ConfigError(f"unrecognized argument {args.vllm_args[0]!r} (vLLM's own flags go after --)")
     options = InstanceOptions(
@@ -99,8 +97,6 @@ def run_instance(args) -> int:
 
 
 def run_router(args) -> int:
-    from pdserve.launch.per_host import RouterOptions, router_command
-
     if args.secret_file is None:
         raise ConfigError(f"--secret-file: the deployment's secret, which registrations are checked against "
                           f"(got none, and ${SECRET_FILE_ENV} is not set)")

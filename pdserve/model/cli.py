@@ -50,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     arch_for(args.arch).spec_for(args.size)  # refuses a size the family does not build, before torch loads
-    from pdserve.model.build import make_model
+    from pdserve.model.build import make_model  # lazy: torch, loaded once the arguments are checked
 
     start = time.monotonic()
     out = make_model(args.dir, args.size, args.seed, args.arch)

@@ -61,7 +61,7 @@ def enqueue_window(src, dst, window: Window) -> list:
     Returns the temporaries the copies use, to be kept alive until they completed. Runs in
     inference mode: views of a KV storage made while vLLM registered it under
     `torch.inference_mode()` are inference tensors, which torch updates in place only there."""
-    import torch
+    import torch  # lazy: heavy; this module imports without torch, only its tensor code needs it
 
     unit = math.gcd(*window.src_offsets, *window.dst_offsets, *window.lengths)
     with torch.inference_mode():
@@ -73,7 +73,7 @@ def enqueue_window(src, dst, window: Window) -> list:
 
 
 def _gather_scatter(src, dst, window: Window, unit: int) -> list:
-    import torch
+    import torch  # lazy: heavy; this module imports without torch, only its tensor code needs it
 
     width = next(w for w in (8, 4, 2, 1) if unit % w == 0 and src.data_ptr() % w == 0 and dst.data_ptr() % w == 0)
     word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
@@ -96,7 +96,7 @@ def _gather_scatter(src, dst, window: Window, unit: int) -> list:
 def row_indices(offsets: tuple[int, ...], lengths: tuple[int, ...], unit: int):
     """The row numbers (rows of `unit` bytes) that runs at `offsets` of `lengths` bytes cover, in
     order, as one int64 CPU tensor: built by tensor ops, without a loop over rows."""
-    import torch
+    import torch  # lazy: heavy; this module imports without torch, only its tensor code needs it
 
     starts = torch.tensor(offsets, dtype=torch.int64) // unit
     counts = torch.tensor(lengths, dtype=torch.int64) // unit

@@ -38,7 +38,7 @@ class CpuStandIn(DeviceBackend):
         self._segments: list[SharedSegment] = []  # ours: kept open (named by fd) for our lifetime
 
     def export(self, tensor) -> ExportedRegion:
-        import torch
+        import torch  # lazy: heavy; this module imports without torch, only its tensor code needs it
 
         storage = tensor.untyped_storage()
         segment = move_tensor_to_shared_memory(tensor, segment_name(self._token, f"dev{os.getpid()}x{next(self._count)}"))
@@ -48,7 +48,7 @@ class CpuStandIn(DeviceBackend):
         return ExportedRegion(data, IpcHandle.for_this_process("shm", (path, segment.size)))
 
     def open(self, ipc: IpcHandle, size: int) -> OpenedRegion:
-        import torch
+        import torch  # lazy: heavy; this module imports without torch, only its tensor code needs it
 
         if ipc.kind != "shm" or len(ipc.fields) != 2 or not isinstance(ipc.fields[0], str):
             raise TransferError(f"not a shm stand-in handle: kind {ipc.kind}, fields {ipc.fields!r:.80}")

@@ -27,7 +27,7 @@ class CudaBackend(DeviceBackend):
     submits transfers may be another (default: the submitting thread's current stream)."""
 
     def __init__(self, index: int = 0, ready_stream=None):
-        import torch
+        import torch  # lazy: heavy; this module imports without torch, only its tensor code needs it
 
         self._torch = torch
         self.device = MemoryDevice("cuda", index)

@@ -21,9 +21,14 @@ from typing import NamedTuple
 
 from pdserve.errors import ConfigError
 from pdserve.transport.base import Transport
+from pdserve.transport.cpu_backend import CpuStandIn
+from pdserve.transport.cuda_backend import CudaBackend
 from pdserve.transport.device import MemoryDevice
 from pdserve.transport.device_backend import DeviceBackend
+from pdserve.transport.gpu_ipc import GpuIpcTransport
 from pdserve.transport.nixl_auto import POLICIES, build_transport
+from pdserve.transport.shm import ShmTransport
+from pdserve.transport.staged import StagedTransport
 
 KV_BUFFER_DEVICES = ("cpu", "cuda")  # cuda: the KV's own device (no staging)
 
@@ -32,9 +37,7 @@ def backend_for(device: MemoryDevice, token: str, ready_stream=None) -> DeviceBa
     """The backend driving `device`: CUDA for a GPU; for the CPU, the stand-in that lets the GPU
     transports run on CPU tensors (tests and `gpu_check.py --device cpu`)."""
     if device.is_cpu:
-        from pdserve.transport.cpu_backend import CpuStandIn
         return CpuStandIn(token)
-    from pdserve.transport.cuda_backend import CudaBackend
     return CudaBackend(device.index, ready_stream)
 
 
@@ -51,14 +54,11 @@ def build_device_transport(policy: str, kv_buffer_device: str, backend: DeviceBa
         if policy == "gpu-ipc":
             raise ConfigError("transport gpu-ipc moves device memory, but kv_buffer_device cpu stages the KV in "
                               "host memory: use transport auto, shm or nixl with it")
-        from pdserve.transport.shm import ShmTransport
-        from pdserve.transport.staged import StagedTransport
         inner = build_transport(policy, prepare(ShmTransport()), agent_name, copy_timeout_s, prepare)
         return StagedTransport(backend, inner, token)
     if policy == "shm":
         raise ConfigError(f"transport shm moves host memory, and the KV cache is on {backend.device}: use "
                           "transport gpu-ipc, auto or nixl, or kv_buffer_device cpu")
-    from pdserve.transport.gpu_ipc import GpuIpcTransport
     return build_transport(policy, GpuIpcTransport(backend), agent_name, copy_timeout_s, prepare, local_name="gpu-ipc")
 
 

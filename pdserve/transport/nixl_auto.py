@@ -29,6 +29,7 @@ from typing import NamedTuple
 from pdserve.errors import ConfigError, TransferError
 from pdserve.transport.base import Direction, RegionDescriptor, RegionOps, TransferHandle, TransferStatus, Transport
 from pdserve.transport.device import CPU, MemoryDevice
+from pdserve.transport.nixl import NixlTransport
 from pdserve.transport.nixl_agent import NIXL_PACKAGE, nixl_installed
 
 logger = logging.getLogger(__name__)
@@ -228,7 +229,6 @@ def build_transport(policy: str, shm: Transport, agent_name: str, copy_timeout_s
         return RoutedTransport(policy, shm, local_name=local_name)
 
     def start_nixl() -> Transport:
-        from pdserve.transport.nixl import NixlTransport
         return prepare(NixlTransport(agent_name, copy_timeout_s=copy_timeout_s))
 
     if policy == "nixl":

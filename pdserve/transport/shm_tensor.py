@@ -48,7 +48,7 @@ def move_tensor_to_shared_memory(tensor: torch.Tensor, segment_name: str) -> Sha
     tensor starts inside it. The segment's mapping stays alive as long as the storage uses it,
     even after `segment.close()` (which unlinks the name).
     """
-    import torch
+    import torch  # lazy: heavy; this module imports without torch, only its tensor code needs it
 
     if tensor.device.type != "cpu":
         raise TransferError(f"only CPU tensors can move to shared memory, got {tensor.device}")
@@ -101,7 +101,7 @@ def move_tensors_to_shared_memory(
 
 
 def _set_in_place(tensor: torch.Tensor, shm_storage) -> None:
-    import torch
+    import torch  # lazy: heavy; this module imports without torch, only its tensor code needs it
 
     logger.warning("torch has no UntypedStorage._swap_data_ptr_: only this tensor object, not its views, moves")
     with torch.inference_mode(tensor.is_inference()):

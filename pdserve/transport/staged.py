@@ -84,7 +84,7 @@ class StagedTransport(CopyThreadTransport):
     def register_tensor(self, region_id: int, tensor) -> RegionDescriptor:
         """Give the storage under `tensor` a pinned host mirror, registered with the inner
         transport as region `region_id`; returns the mirror's (host) descriptor."""
-        import torch
+        import torch  # lazy: heavy; this module imports without torch, only its tensor code needs it
 
         if region_id in self._local:
             raise ValueError(f"region {region_id} is already registered")

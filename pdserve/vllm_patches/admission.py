@@ -156,7 +156,9 @@ def _seeded_sampling_problem() -> str | None:
 
 @functools.cache
 def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
+    from vllm.platforms import (
+        current_platform,  # lazy: vLLM, which this module must not import (sitecustomize imports it)
+    )
 
     return current_platform.is_cpu()
 

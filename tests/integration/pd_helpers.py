@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import requests
 
+from pdserve.bench.samples import metric, parse_samples  # noqa: F401  (metric: used by the tests through here)
 from pdserve.compare import compare_greedy, fetch_greedy, parse_choice
 from pdserve.launch import Cluster, UpOptions, plan
 from pdserve.launch.env import cache_dir
@@ -17,7 +18,6 @@ from pdserve.launch.modes import with_front
 from pdserve.launch.options import RestartPolicy
 from pdserve.launch.pd_modes import pd_deployment
 from pdserve.launch.process import group_members
-from pdserve.launch.samples import metric, parse_samples  # noqa: F401  (metric: used by the tests through here)
 from pdserve.model.build import resolve_model
 from tests.integration.port_check import still_bound
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.samples import metric
 from pdserve.launch import Cluster
-from pdserve.launch.samples import metric
 from pdserve.launch.supervisor import State
 from tests.integration.pd_helpers import greedy, metrics, pd_pair
 

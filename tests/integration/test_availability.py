@@ -25,10 +25,10 @@ import time
 import pytest
 import requests
 
+from pdserve.bench.samples import metric, parse_samples
 from pdserve.compare import compare_greedy, fetch_greedy, parse_stream
 from pdserve.launch import UpOptions
 from pdserve.launch.process import group_members
-from pdserve.launch.samples import metric, parse_samples
 from tests.integration.pd_helpers import (
     MAX_TOKENS,
     check_decode_after_prefill_died,

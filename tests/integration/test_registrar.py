@@ -1,4 +1,4 @@
-"""Registration that cannot be forged, across two network namespaces (launch/netns.py).
+"""Registration that cannot be forged, across two network namespaces (pdserve/bench/hosts/netns.py).
 
 Host a runs `pdserve router` (the registrar with the real vllm-router as its child). Host b runs
 two instances that register with the deployment's secret, and four forgers: a prefill and a
@@ -39,8 +39,8 @@ NUM_REQUESTS = 12
 
 
 def test_a_forged_registration_from_another_namespace_gets_no_traffic(tmp_path: Path):
+    from pdserve.bench.hosts.netns import TwoHosts
     from pdserve.control.secret import SECRET_FILE_ENV, generate_secret_file
-    from pdserve.launch.netns import TwoHosts
 
     secret = tmp_path / "secret"
     generate_secret_file(secret)

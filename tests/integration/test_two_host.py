@@ -11,8 +11,8 @@ import os
 
 import pytest
 
+from pdserve.bench.hosts.two_host import TwoHostPD, metric
 from pdserve.compare import compare_greedy
-from pdserve.launch.two_host import TwoHostPD, metric
 from tests.integration.pd_helpers import collocated_reference, prompts
 
 pytestmark = pytest.mark.integration

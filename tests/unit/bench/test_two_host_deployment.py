@@ -118,8 +118,8 @@ class FakeTwoHostPD:
 
 @pytest.fixture
 def fakes(monkeypatch, tmp_path):
-    import pdserve.launch.netns_relay as relay_module
-    import pdserve.launch.two_host as two_host_module
+    import pdserve.bench.hosts.netns_relay as relay_module
+    import pdserve.bench.hosts.two_host as two_host_module
 
     relays = []
 

@@ -7,9 +7,9 @@ import pytest
 import requests
 from aiohttp import web
 
+from pdserve.bench.samples import parse_samples
 from pdserve.front.body import RequestBody
 from pdserve.front.continuation import Follow
-from pdserve.launch.samples import parse_samples
 from tests.unit.front.fake_upstream import FakeUpstream, running, serve_raw
 
 BASE = 27460  # 27460-27489: a test's front on BASE + 10k, its fakes on the ports after it

@@ -10,12 +10,12 @@ import time
 import pytest
 import requests
 
+from pdserve.bench.samples import parse_samples
 from pdserve.front.body import RequestBody
 from pdserve.front.config import Upstream
 from pdserve.front.instances import InstancePool
 from pdserve.front.metrics import FrontMetrics
 from pdserve.front.routes import Routes
-from pdserve.launch.samples import parse_samples
 from tests.unit.front.fake_upstream import running, serve_raw
 from tests.unit.front.test_front import openai_error
 

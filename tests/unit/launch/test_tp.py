@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
+from pdserve.bench.hosts.two_host import TwoHostPD
 from pdserve.errors import ConfigError
 from pdserve.launch import UpOptions, plan
 from pdserve.launch.cli import instance_lines
@@ -16,7 +17,6 @@ from pdserve.launch.cores import divide_cores, omp_threads_bind
 from pdserve.launch.nixl_mode import nixl
 from pdserve.launch.pd_modes import PortLayout
 from pdserve.launch.per_host import Endpoint, InstanceOptions, instance_command
-from pdserve.launch.two_host import TwoHostPD
 
 
 def extra_config(instance) -> dict:

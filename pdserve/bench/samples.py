@@ -1,4 +1,4 @@
-"""Prometheus samples of an instance's /metrics, as the launch harnesses and the tests read them."""
+"""Prometheus samples of an instance's /metrics, as the bench, its two-host harness and the tests read them."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
+from pdserve.bench.hosts.netns_relay import Address, netns_relay
 from pdserve.errors import LaunchError
-from pdserve.launch.netns_relay import Address, netns_relay
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="needs root and `ip netns`")

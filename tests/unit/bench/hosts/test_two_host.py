@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.hosts.two_host import CHUNK_TOKENS, NETWORK, TIMEOUTS, TwoHostPD, metric
 from pdserve.launch.options import UpOptions
 from pdserve.launch.pd_modes import pd_deployment
-from pdserve.launch.two_host import CHUNK_TOKENS, NETWORK, TIMEOUTS, TwoHostPD, metric
 
 SECRET = Path("/nonexistent/secret")
 
@@ -72,7 +72,7 @@ def test_the_client_names_the_served_model(capsys):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from pdserve.launch.two_host import add_client_parser, run_client
+    from pdserve.bench.hosts.two_host import add_client_parser, run_client
 
     class Models(BaseHTTPRequestHandler):
         def do_GET(self):

@@ -1,8 +1,10 @@
-"""CPU workarounds for vLLM's NixlConnector, loaded only by the `nixl` mode's instances.
+"""CPU workarounds for vLLM's NixlConnector, for the `nixl` mode's instances only.
 
-Python imports `sitecustomize` at start-up from PYTHONPATH; the `nixl` mode puts this directory
-there for its two vLLM instances and nowhere else. Nothing in the venv is modified. Each patch is
-applied right after its target module is imported, and only when its variable is set:
+`install()` runs at interpreter start-up in every Python process that has the children's
+`sitecustomize` (startup/sitecustomize.py) on its PYTHONPATH; the `nixl` mode puts that directory
+there for its two vLLM instances and sets the variables below for them and nowhere else, so every
+other process installs nothing. Nothing in the venv is modified. Each patch is applied right after
+its target module is imported, and only when its variable is set:
 
 PDSERVE_NIXL_NO_AFFINITY=1
     vllm ...nixl/base_worker.py calls os.sched_setaffinity(0, [last core of each NUMA node]) from
@@ -69,7 +71,8 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _install() -> None:
+def install() -> None:
+    """Patch each target module whose variable is set, right after it is imported."""
     patches = {}
     if os.environ.get("PDSERVE_NIXL_NO_AFFINITY") == "1":
         patches[_AFFINITY_MODULE] = _without_affinity
@@ -77,6 +80,3 @@ def _install() -> None:
         patches[_NIXL_API_MODULE] = _with_pthr_delay
     if patches:
         sys.meta_path.insert(0, _PatchAfterImport(patches))
-
-
-_install()

@@ -8,7 +8,7 @@
 budget per role, prefix caching, enforce_eager, cores divided as on one host), with the same `vllm
 serve` flags per role, so the two can be compared; without it, the test harness's (enforce_eager,
 512-token steps on both roles). Needs root (network and PID namespaces). Ports 30000-30022 inside the
-namespaces (with tensor parallelism, 2 more after each instance's HTTP port per rank beyond the first). `python -m pdserve.launch.two_host client ...` is what runs inside a namespace for
+namespaces (with tensor parallelism, 2 more after each instance's HTTP port per rank beyond the first). `python -m pdserve.bench.hosts.two_host client ...` is what runs inside a namespace for
 the helpers below (wait, greedy, metrics, model).
 """
 
@@ -21,13 +21,19 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
+import requests
+
+from pdserve.bench.hosts.netns import TwoHosts
+from pdserve.bench.samples import metric, parse_samples  # noqa: F401  (metric: re-exported)
+from pdserve.compare import Step, fetch_greedy
+from pdserve.control.secret import SECRET_FILE_ENV, generate_secret_file
 from pdserve.errors import LaunchError
 from pdserve.launch.cores import divide_cores
-from pdserve.launch.netns import TwoHosts
+from pdserve.launch.env import cache_dir
 from pdserve.launch.options import UpOptions
-from pdserve.launch.samples import metric, parse_samples  # noqa: F401  (metric: re-exported)
 
 ROUTER_PORT, PREFILL_PORT, DECODE_PORT = 30000, 30010, 30020
 CHUNK_TOKENS = 512
@@ -55,8 +61,6 @@ class TwoHostPD:
                  connector_extra: dict | None = None, instance_env: dict[str, str] | None = None,
                  model: str = "tiny", enforce_eager: bool = True, vllm_args: dict[str, tuple[str, ...]] | None = None,
                  options: UpOptions | None = None):
-        from pdserve.launch.env import cache_dir
-
         self.options = options or harness_options(mode, model, enforce_eager)
         self.mode = self.options.mode
         self.transports = {"prefill": "auto", "decode": "auto", **(transports or {})}
@@ -77,10 +81,7 @@ class TwoHostPD:
         return f"http://{self.hosts.ip(HOSTS[role])}:{PREFILL_PORT if role == 'prefill' else DECODE_PORT}"
 
     def __enter__(self) -> TwoHostPD:
-        from dataclasses import replace
-
-        from pdserve.control.secret import SECRET_FILE_ENV, generate_secret_file
-        from pdserve.model.build import resolve_model
+        from pdserve.model.build import resolve_model  # lazy: torch, only starting the deployment needs it
 
         self.options = replace(self.options, model=str(resolve_model(self.options.model)))
         self.hosts.__enter__()
@@ -127,7 +128,7 @@ class TwoHostPD:
 
     def client(self, *args: str, host: str = "a", timeout: float = 600) -> str:
         """This module's `client` subcommand on `host`; its stdout (LaunchError on failure)."""
-        argv = [sys.executable, "-m", "pdserve.launch.two_host", "client", *args]
+        argv = [sys.executable, "-m", "pdserve.bench.hosts.two_host", "client", *args]
         return self._run(host, argv, f"client {args[0]}", timeout)
 
     def client_script(self, script: str, *args: str, host: str = "a", timeout: float = 1800) -> str:
@@ -144,8 +145,6 @@ class TwoHostPD:
         return done.stdout
 
     def greedy(self, prompts: list, url: str | None = None, concurrency: int = 8) -> list:
-        from pdserve.compare import Step
-
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir=self._scratch.name) as f:
             json.dump(prompts, f)
         out = self.client("greedy", "--url", url or self.router_url, "--models-url", url or self.url("prefill"),
@@ -155,8 +154,6 @@ class TwoHostPD:
     def outcomes(self, prompts: list, timeout: float = 300.0) -> list[dict]:
         """All `prompts` at once through the router, one request each, each allowed `timeout` s:
         per prompt {"status", "seconds", and for a 200 "steps" (compare.Step tuples)}."""
-        from pdserve.compare import Step
-
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir=self._scratch.name) as f:
             json.dump(prompts, f)
         out = json.loads(self.client("outcomes", "--url", self.router_url, "--models-url", self.url("prefill"),
@@ -191,10 +188,6 @@ def add_client_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_client(args) -> int:
-    import requests
-
-    from pdserve.compare import fetch_greedy
-
     if args.what == "wait":
         deadline = time.monotonic() + args.timeout
         while time.monotonic() < deadline:
@@ -230,10 +223,6 @@ def run_client(args) -> int:
 
 def _outcome(url: str, prompt, model: str, timeout: float) -> dict:
     """One greedy request: {"status": 200 and "steps", an HTTP status, or "timeout" / "error"; "seconds"}."""
-    import requests
-
-    from pdserve.compare import fetch_greedy
-
     started = time.monotonic()
     try:
         steps = fetch_greedy(url, [prompt], max_tokens=MAX_TOKENS, model=model, timeout=timeout)[0]
@@ -248,8 +237,6 @@ def _outcome(url: str, prompt, model: str, timeout: float) -> dict:
 
 
 def _model(args) -> str:
-    import requests
-
     return requests.get(f"{args.models_url or args.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 

@@ -1,6 +1,6 @@
 """A TCP relay from the root network namespace into a named one, as its own process.
 
-    python -m pdserve.launch.netns_relay --listen 127.0.0.1:18800 --netns pdsa-1a2b3c --target 10.200.0.1:30000
+    python -m pdserve.bench.hosts.netns_relay --listen 127.0.0.1:18800 --netns pdsa-1a2b3c --target 10.200.0.1:30000
 
 A deployment across network namespaces (netns.py) listens only inside them, while a client such as
 the bench's runs in the root namespace. The relay binds and listens in the root namespace first,
@@ -193,7 +193,7 @@ def netns_relay(listen: Address, netns: str, target: Address, log: Path,
                 deadline_s: float = START_DEADLINE_S) -> Iterator[RelayProcess]:
     """A relay process from `listen` (root namespace) to `target` inside `netns`, its stderr in
     `log`; yields once it listens (LaunchError if it does not within `deadline_s`), stopped on exit."""
-    argv = [sys.executable, "-m", "pdserve.launch.netns_relay", "--listen", str(listen), "--netns", netns,
+    argv = [sys.executable, "-m", "pdserve.bench.hosts.netns_relay", "--listen", str(listen), "--netns", netns,
             "--target", str(target)]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as err:
