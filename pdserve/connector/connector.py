@@ -28,13 +28,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from pdserve.config import parse_connector_config
 from pdserve.connector.kv_groups import KvGroups
 from pdserve.connector.metadata import StepPlan
-from pdserve.connector.ranks import Ranks
 from pdserve.connector.registration import RouterRegistration
 from pdserve.connector.scheduler import PDScheduler
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
 from pdserve.connector.support import check_supported
-from pdserve.connector.worker import PDWorker
+from pdserve.connector.worker.worker import PDWorker
 from pdserve.placement.inbox import WorkerNews
+from pdserve.transfer.ranks import Ranks
 from pdserve.vllm_logging import route_logs_to_vllm
 
 

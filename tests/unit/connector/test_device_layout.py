@@ -13,7 +13,8 @@ import importlib
 import pytest
 import torch
 
-from pdserve.connector.device_layout import (
+from pdserve.errors import ProtocolError
+from pdserve.transfer.device_layout import (
     BLOCK,
     CONTENT,
     HEAD,
@@ -25,7 +26,6 @@ from pdserve.connector.device_layout import (
     backend_layout_names,
     legacy_backend_layout,
 )
-from pdserve.errors import ProtocolError
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE, NUM_LAYERS = 6, 16, 4, 64, 3
 

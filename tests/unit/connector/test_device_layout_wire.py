@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.connector.device_layout import BlockRuns
-from pdserve.connector.layout import KvLayout, LayerPlacement
-from pdserve.connector.ranks import HeadSlice, Slicing
 from pdserve.errors import ProtocolError
+from pdserve.transfer.device_layout import BlockRuns
+from pdserve.transfer.layout import KvLayout, LayerPlacement
+from pdserve.transfer.ranks import HeadSlice, Slicing
 from pdserve.transport.base import CopyOp, RegionOps
 
 # K and V halves of each block, the V half 1000 bytes further on: [2, blocks, ...]

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from pdserve.config import TransferMode, parse_connector_config
-from pdserve.connector.layout import KvLayout, LayerPlacement
-from pdserve.connector.metadata import HoldSpec, RecvSpec, SendSpec, StageSpec, StepPlan
-from pdserve.connector.worker import PDWorker
+from pdserve.connector.metadata import StageSpec, StepPlan
+from pdserve.connector.worker.worker import PDWorker
 from pdserve.control.address import PeerAddress
+from pdserve.transfer.layout import KvLayout, LayerPlacement
+from pdserve.transfer.specs import HoldSpec, RecvSpec, SendSpec
 from pdserve.transport.base import Direction, TransferHandle, TransferStatus
 from pdserve.transport.cpu_backend import CpuStandIn
 from pdserve.transport.nixl_auto import RoutedTransport

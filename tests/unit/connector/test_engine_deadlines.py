@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import HoldSpec, RecvSpec, SendSpec
 from pdserve.control.messages import Release, RemoteBlocks, WriteDone
+from pdserve.transfer.specs import HoldSpec, RecvSpec, SendSpec
 from tests.unit.connector.harness import D_ADDRESS, D_IDENTITY, NUM_LAYERS, P_ADDRESS, P_IDENTITY, PROMPT_HASH, Pair
 
 WRITE, READ = TransferMode.WRITE, TransferMode.READ

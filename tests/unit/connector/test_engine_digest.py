@@ -11,8 +11,8 @@ import logging
 import pytest
 
 from pdserve.config import TransferMode
-from pdserve.connector.transfers.verify import REPORT_EVERY
 from pdserve.control.messages import ReadAck, WriteDone
+from pdserve.transfer.verify import REPORT_EVERY
 from tests.unit.connector.harness import STATE_BYTES, Pair
 from tests.unit.connector.nixl_fakes import SlowNixl
 from tests.unit.connector.tp_harness import Cluster

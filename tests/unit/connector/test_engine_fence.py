@@ -11,8 +11,8 @@ import sys
 import threading
 import time
 
-from pdserve.connector.incarnation import boot_id, process_start_time
 from pdserve.control.messages import Release, RemoteBlocks, WriteDone
+from pdserve.transfer.incarnation import boot_id, process_start_time
 from tests.unit.connector.harness import Pair
 from tests.unit.connector.transfers import WRITE, send, write_recv
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from pdserve.connector.metadata import CancelSpec
 from pdserve.control.messages import ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
+from pdserve.transfer.specs import CancelSpec
 from tests.unit.connector.harness import D_ADDRESS, D_IDENTITY, P_IDENTITY, Pair
 from tests.unit.connector.transfers import (
     D_BLOCKS,

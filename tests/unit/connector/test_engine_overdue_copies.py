@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import HoldSpec, RecvSpec, SendSpec
 from pdserve.control.messages import Release, WriteDone
+from pdserve.transfer.specs import HoldSpec, RecvSpec, SendSpec
 from tests.unit.connector.harness import D_ADDRESS, NUM_LAYERS, P_ADDRESS, PROMPT_HASH, Pair
 from tests.unit.connector.nixl_fakes import SlowNixl
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import AwaitSpec, CancelSpec
 from pdserve.placement.messages import DecodeStatus, PrefillLoad
 from pdserve.placement.policy import DecodeView
 from pdserve.placement.status_view import status_of
+from pdserve.transfer.specs import AwaitSpec, CancelSpec
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, Pair
 from tests.unit.connector.test_engine_write import recv_spec
 
@@ -25,7 +25,7 @@ def news(pair: Pair) -> dict:
 def test_remote_blocks_before_or_after_the_leg_mean_prefill_here():
     with Pair(WRITE) as pair:
         pair.d.engine.add_recv(recv_spec(transfer_id="early"))  # D announces before P's leg arrives
-        pair.pump_until(lambda: "early" in pair.p.engine._records.early)
+        pair.pump_until(lambda: "early" in pair.p.engine._history.early)
         pair.p.engine.await_decision(AwaitSpec("leg-early", "early", D_ADDRESS))
         pair.p.engine.await_decision(AwaitSpec("leg-late", "late", D_ADDRESS))
         assert news(pair) == {"leg-early": True}
@@ -50,7 +50,7 @@ def test_a_release_before_or_after_the_leg_means_d_prefills_it():
         assert decided == {"leg": False}
         # a Release that came first (P never saw the leg) is remembered: the leg is dropped at once
         pair.d.engine.cancel(CancelSpec("t-first", P_ADDRESS, "decode computes this prompt itself"))
-        pair.pump_until(lambda: "t-first" in pair.p.engine._records.terminal)
+        pair.pump_until(lambda: "t-first" in pair.p.engine._history.terminal)
         pair.p.engine.await_decision(AwaitSpec("leg2", "t-first", D_ADDRESS))
         assert news(pair) == {"leg2": False}
 
@@ -98,7 +98,7 @@ def test_the_worker_hands_the_engine_every_message_but_the_handshake_ping_and_re
     deployment, whatever the engine would do with it (the engine tests above bypass the server).
     A Registration is for the router's registrar, never for a worker; a ClockSkew notice for the
     socket that sent a refused frame."""
-    from pdserve.connector.worker import TRANSFER_MESSAGES
+    from pdserve.connector.worker.worker import TRANSFER_MESSAGES
     from pdserve.control.messages import (
         MESSAGE_TYPES,
         ClockSkew,

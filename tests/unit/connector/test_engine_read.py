@@ -7,9 +7,9 @@ import time
 import pytest
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import CancelSpec, HoldSpec, RecvSpec
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import ReadAck, ReadDone, Release, RemoteBlocks
+from pdserve.transfer.specs import CancelSpec, HoldSpec, RecvSpec
 from tests.unit.connector.harness import (
     D_ADDRESS,
     D_IDENTITY,

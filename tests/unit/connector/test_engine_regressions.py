@@ -1,8 +1,8 @@
 import time
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import HoldSpec, RecvSpec
 from pdserve.control.messages import ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
+from pdserve.transfer.specs import HoldSpec, RecvSpec
 from tests.unit.connector.harness import D_ADDRESS, D_IDENTITY, P_ADDRESS, P_IDENTITY, PROMPT_HASH, Pair
 
 

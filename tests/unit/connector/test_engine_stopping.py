@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
-from pdserve.connector.metadata import CancelSpec
 from pdserve.control.messages import ReadDone, Release, RemoteBlocks, WriteDone
+from pdserve.transfer.specs import CancelSpec
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, Pair
 from tests.unit.connector.transfers import D_BLOCKS, P_BLOCKS, READ, WRITE, moved, read_recv, send, write_recv
 

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from pdserve.config import TransferMode
-from pdserve.connector.layout import KvLayout, LayerPlacement
-from pdserve.connector.metadata import CancelSpec, RecvSpec, SendSpec
 from pdserve.control.messages import Release, RemoteBlocks, WriteDone
+from pdserve.transfer.layout import KvLayout, LayerPlacement
+from pdserve.transfer.specs import CancelSpec, RecvSpec, SendSpec
 from tests.unit.connector.harness import (
     D_ADDRESS,
     D_IDENTITY,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pdserve.connector.idle_pump import IdlePump
+from pdserve.connector.worker.idle_pump import IdlePump
 
 PERIOD_S = 0.01
 

@@ -7,10 +7,10 @@ import zlib
 
 import numpy as np
 
-from pdserve.connector.device_layout import BlockRuns
-from pdserve.connector.kv_digest import BlockDigests, HostMemory, block_ranges, mismatched, moved_positions
-from pdserve.connector.layout import KvLayout, LayerPlacement
-from pdserve.connector.ranks import HeadSlice, Slicing
+from pdserve.transfer.device_layout import BlockRuns
+from pdserve.transfer.kv_digest import BlockDigests, HostMemory, block_ranges, mismatched, moved_positions
+from pdserve.transfer.layout import KvLayout, LayerPlacement
+from pdserve.transfer.ranks import HeadSlice, Slicing
 from pdserve.transport.base import RegionDescriptor
 
 

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from pdserve.connector.device_layout import BlockRuns
 from pdserve.connector.kv_groups import KvGroups
-from pdserve.connector.kv_memory import KvMemory
-from pdserve.connector.layout import LayerPlacement
+from pdserve.connector.worker.kv_memory import KvMemory
 from pdserve.errors import PDServeError
+from pdserve.transfer.device_layout import BlockRuns
+from pdserve.transfer.layout import LayerPlacement
 
 BLOCKS, HEADS, TOKENS, HEAD_BYTES = 8, 2, 16, 64
 PAGE = HEADS * TOKENS * HEAD_BYTES  # bytes of one attention block

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.connector.layout import KvLayout, LayerPlacement, check_compatible
 from pdserve.errors import IncompatiblePeerError, ProtocolError
+from pdserve.transfer.layout import KvLayout, LayerPlacement, check_compatible
 from pdserve.transport.base import CopyOp, RegionOps
 
 MINE = KvLayout((LayerPlacement(0, 0, 64, 8), LayerPlacement(0, 512, 64, 8)))

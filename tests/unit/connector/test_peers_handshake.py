@@ -15,11 +15,11 @@ import torch
 import zmq
 
 from pdserve.config import parse_connector_config
-from pdserve.connector import peers as peer_table
-from pdserve.connector.allowlist import PeerAllowList
-from pdserve.connector.peers import HandshakeResult, PeerState, PeerTable
-from pdserve.connector.worker import PDWorker
+from pdserve.connector.worker.worker import PDWorker
 from pdserve.control.address import PeerAddress
+from pdserve.transfer import peers as peer_table
+from pdserve.transfer.allowlist import PeerAllowList
+from pdserve.transfer.peers import HandshakeResult, PeerState, PeerTable
 from tests.unit.connector.harness import secret_file
 
 HANDSHAKE_TIMEOUT_S = 2.0

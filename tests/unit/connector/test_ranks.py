@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.connector.ranks import (
+from pdserve.errors import IncompatiblePeerError, ProtocolError
+from pdserve.transfer.ranks import (
     HeadSlice,
     RankPair,
     Ranks,
@@ -14,7 +15,6 @@ from pdserve.connector.ranks import (
     parse_sub_id,
     sub_id,
 )
-from pdserve.errors import IncompatiblePeerError, ProtocolError
 
 # (P TP size, D TP size, model KV heads)
 LAYOUTS = [(2, 1, 2), (1, 2, 2), (2, 2, 2), (4, 2, 4), (2, 4, 4), (4, 1, 2), (1, 4, 2), (4, 4, 2), (2, 1, 1)]

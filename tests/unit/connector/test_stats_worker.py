@@ -10,7 +10,7 @@ import torch
 
 from pdserve.config import parse_connector_config
 from pdserve.connector.stats import PDConnectorStats
-from pdserve.connector.worker import PDWorker
+from pdserve.connector.worker.worker import PDWorker
 from pdserve.control.address import PeerAddress
 from tests.unit.connector.harness import secret_file
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.connector.metadata import CancelSpec
 from pdserve.control.messages import ReadDone, Release, RemoteBlocks
+from pdserve.transfer.specs import CancelSpec
 from tests.unit.connector.tp_harness import D_BASE, P_BASE, READ, WRITE, Cluster
 
 MODES = [WRITE, READ]

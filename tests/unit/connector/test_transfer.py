@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import TransferMode
-from pdserve.connector.transfer import IllegalTransition, Side, Transfer, TransferState, WriteWindow
 from pdserve.errors import PDServeError
+from pdserve.transfer.record import IllegalTransition, Side, Transfer, TransferState, WriteWindow
 
 
 def make(first_block=0, remote=(10, 11, 12)) -> Transfer:

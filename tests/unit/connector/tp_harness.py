@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.config import ConnectorConfig, TransferMode, parse_connector_config
-from pdserve.connector.engine import TransferEngine
-from pdserve.connector.incarnation import Incarnation
-from pdserve.connector.layout import KvLayout, LayerPlacement
-from pdserve.connector.metadata import HoldSpec, RecvSpec, SendSpec
-from pdserve.connector.peers import HandshakeResult
-from pdserve.connector.ranks import Ranks, rank_address
 from pdserve.control.address import PeerAddress
+from pdserve.transfer.engine import TransferEngine
+from pdserve.transfer.incarnation import Incarnation
+from pdserve.transfer.layout import KvLayout, LayerPlacement
+from pdserve.transfer.peers import HandshakeResult
+from pdserve.transfer.ranks import Ranks, rank_address
+from pdserve.transfer.specs import HoldSpec, RecvSpec, SendSpec
 from pdserve.transport import SharedSegment, ShmTransport, segment_name
 from tests.unit.connector.harness import FAST, PROMPT_HASH, FakeNotifier
 

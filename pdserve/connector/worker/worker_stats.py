@@ -48,7 +48,7 @@ class WorkerStats:
         if not (stats.num_completed or stats.num_failed or new_rejections or handshakes or placements or queue
                 or serving or chunk_steps or remote_paths):
             return None
-        engine.stats = type(stats)()
+        stats = stats.take()
         recomputed = (stats.num_failed if self._config.role is Role.CONSUMER
                       and self._config.load_failure_policy == "recompute" else 0)
         return {**dataclasses.asdict(stats), "num_rejected": new_rejections, "num_recomputed": recomputed,

@@ -1,4 +1,4 @@
-"""One `Transfer` object per request leg, with a status enum; every transition is here.
+"""One `Transfer` object per transfer of a request (on this rank), with a status enum; every transition is here.
 
 A transfer moves one request's prompt KV blocks between P and D. Its phases:
 
@@ -29,15 +29,16 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from pdserve.config import TransferMode
-from pdserve.connector.incarnation import Incarnation
-from pdserve.connector.ranks import Slicing
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
+from pdserve.transfer.incarnation import Incarnation
+from pdserve.transfer.ranks import Slicing
 from pdserve.transport.base import TransferStatus
 
 if TYPE_CHECKING:
-    from pdserve.connector.kv_digest import BlockDigests
+    from pdserve.transfer.kv_digest import BlockDigests
 
+RELEASED_BY_DECODE = "decode released the transfer"  # D gave up on it, or prefills the prompt itself
 NULL_BLOCK = 0  # vLLM's null block: where a sliding-window group holds no block
 
 

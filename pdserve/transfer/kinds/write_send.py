@@ -10,22 +10,36 @@ from __future__ import annotations
 
 import time
 
-from pdserve.connector.transfer import Transfer
-from pdserve.connector.transfers.base import LegKind
+from pdserve.config import ConnectorConfig
 from pdserve.control.messages import Release, RemoteBlocks, WriteDone
+from pdserve.transfer.binding import PeerBinding
+from pdserve.transfer.copier import Copier
+from pdserve.transfer.endings import Endings
+from pdserve.transfer.kinds.base import TransferKind
+from pdserve.transfer.messenger import Messenger
+from pdserve.transfer.record import RELEASED_BY_DECODE, Transfer
+from pdserve.transfer.verify import Verifier
 from pdserve.transport.base import Direction
 
 WRITE_MARGIN_S = 0.25  # P ends its write window this much (at most a tenth of it) before D's grant ends
-RELEASED_BY_DECODE = "decode released the transfer"  # D gave up on it, or prefills the prompt itself
 
 
-class WriteSend(LegKind):
+class WriteSend(TransferKind):
+    def __init__(self, messenger: Messenger, endings: Endings, *, config: ConnectorConfig, binding: PeerBinding,
+                 copier: Copier, verifier: Verifier, num_layers: int):
+        super().__init__(messenger, endings)
+        self._config = config
+        self._binding = binding
+        self._copier = copier
+        self._verifier = verifier
+        self._num_layers = num_layers
+
     def on_message(self, t: Transfer, sender: str, message, received: float) -> None:
         if isinstance(message, RemoteBlocks):
             self._on_remote_blocks(t, sender, message, received)
         elif isinstance(message, Release):
             t.link.identity = sender
-            self.engine.stop(t, RELEASED_BY_DECODE, tell_peer=True)
+            self._endings.stop(t, RELEASED_BY_DECODE, tell_peer=True)
 
     def on_peer(self, t: Transfer, peer) -> None:
         if peer.refused_by:
@@ -40,17 +54,17 @@ class WriteSend(LegKind):
         layers = t.copies.layers_ready - t.copies.layers_submitted
         if not layers:
             return
-        peer = self.engine.binding.bound_peer(t)
+        peer = self._binding.bound_peer(t)
         if peer is not None:
-            self.engine.submit(t, peer, Direction.WRITE, layers)
+            self._copier.submit(t, peer, Direction.WRITE, layers)
             t.copies.layers_submitted |= layers
 
     def copies_settled(self, t: Transfer) -> None:
-        if t.remote_block_ids is not None and len(t.copies.layers_submitted) == self.engine.num_layers:
+        if t.remote_block_ids is not None and len(t.copies.layers_submitted) == self._num_layers:
             t.succeed()
-            done = WriteDone(t.transfer_id, True, "", t.prompt_hash, self.engine.verifier.sent(t))
-            self.engine.messenger.notify(t.peer, done, t.link.identity)
-            self.engine.finish(t)
+            done = WriteDone(t.transfer_id, True, "", t.prompt_hash, self._verifier.sent(t))
+            self._messenger.notify(t.peer, done, t.link.identity)
+            self._endings.finish(t)
 
     def expiry_reason(self, t: Transfer) -> str:
         if t.remote_block_ids is None:
@@ -63,26 +77,26 @@ class WriteSend(LegKind):
     def before_fail(self, t: Transfer) -> None:
         done = WriteDone(t.transfer_id, False, t.error)
         if t.link.identity is not None:
-            self.engine.messenger.notify(t.peer, done, t.link.identity)
+            self._messenger.notify(t.peer, done, t.link.identity)
         else:
-            self.engine.messenger.send(t.peer, done)
+            self._messenger.send(t.peer, done)
 
     def _on_remote_blocks(self, t: Transfer, sender: str, message: RemoteBlocks, received: float) -> None:
         if t.remote_block_ids is not None or t.stopping:
             return  # a duplicate, or too late
         t.link.identity = sender
         if message.prompt_hash != t.prompt_hash:
-            self.engine.stop(t, "decode announced blocks for a different prompt (prompt digests differ)",
+            self._endings.stop(t, "decode announced blocks for a different prompt (prompt digests differ)",
                              tell_peer=True)
             return
         if len(message.block_ids) != len(t.local_block_ids):
-            self.engine.stop(t, f"block counts differ: prefill has {len(t.local_block_ids)}, decode announced "
+            self._endings.stop(t, f"block counts differ: prefill has {len(t.local_block_ids)}, decode announced "
                                 f"{len(message.block_ids)}", tell_peer=True)
             return
         t.remote_block_ids, t.first_block = tuple(message.block_ids), message.first_block
-        window = min(message.write_for, self.engine.config.defer_timeout)
+        window = min(message.write_for, self._config.defer_timeout)
         t.copies.not_after = received + window - min(WRITE_MARGIN_S, window / 10)
         if t.copies.not_after <= time.monotonic():
-            self.engine.stop(t, "decode's write deadline passed before its blocks could be written", tell_peer=True)
+            self._endings.stop(t, "decode's write deadline passed before its blocks could be written", tell_peer=True)
             return
         self.try_write(t)

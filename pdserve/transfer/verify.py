@@ -14,8 +14,11 @@ import logging
 import time
 from collections import Counter
 
-from pdserve.connector.kv_digest import BlockDigests, HostMemory, mismatched, moved_positions
-from pdserve.connector.transfer import Transfer
+from pdserve.transfer.completions import TransferStats
+from pdserve.transfer.kv_digest import BlockDigests, HostMemory, mismatched, moved_positions
+from pdserve.transfer.layout import KvLayout
+from pdserve.transfer.record import Transfer
+from pdserve.transport.base import Transport
 from pdserve.transport.nixl import NixlTransport
 
 logger = logging.getLogger("pdserve.connector")
@@ -24,15 +27,19 @@ REPORT_EVERY = 3  # mismatches from one peer incarnation between two reports of 
 
 
 class Verifier:
-    def __init__(self, engine, enabled: bool):
-        self._engine = engine
+    def __init__(self, layout: KvLayout, transport: Transport, host_staging: bool, stats: TransferStats,
+                 enabled: bool):
+        self._layout = layout
+        self._transport = transport
+        self._host_staging = host_staging  # the mirror is filled by the copy itself: hashed once copies ended
+        self._stats = stats
         self.enabled = enabled
         self._by_peer: Counter[str] = Counter()
 
     def hash_sent(self, t: Transfer, layers) -> None:
         """P WRITE: hash `layers` of `t`'s blocks, about to be submitted. With host staging the
         mirror is filled by the copy itself, so `sent` hashes it once every copy ended instead."""
-        if not self.enabled or self._engine.staging is not None:
+        if not self.enabled or self._host_staging:
             return
         if t.digests is None:
             positions = moved_positions(t.local_block_ids, t.first_block, self._layout.group_sparse,
@@ -76,7 +83,7 @@ class Verifier:
             return ""
         peer = t.link.identity or "?"
         transport = self._transport_of(peer)
-        self._engine.stats.digest_mismatches.append(f"{transport}:{t.mode.value.lower()}")
+        self._stats.digest_mismatches.append(f"{transport}:{t.mode.value.lower()}")
         self._by_peer[peer] += 1
         if self._by_peer[peer] % REPORT_EVERY == 0:
             logger.error("pdserve: prefill %s has sent KV that failed its digest in %d transfers: check its host "
@@ -86,19 +93,15 @@ class Verifier:
                 f"{transport} differ from what it sent (positions {bad[:16]}, decode blocks {blocks[:16]}); "
                 "not served")
 
-    @property
-    def _layout(self):
-        return self._engine.layout
-
     def _hash(self, t: Transfer, digests: BlockDigests, layers) -> None:
         began = time.perf_counter()
-        memory = HostMemory(self._engine.transport.local_descriptors())
+        memory = HostMemory(self._transport.local_descriptors())
         digests.add_layers(self._layout, memory, layers, t.local_block_ids, t.slicing)
-        self._engine.stats.digest_seconds += time.perf_counter() - began
+        self._stats.digest_seconds += time.perf_counter() - began
 
     def _transport_of(self, peer: str) -> str:
         """"shm", "nixl" or "gpu-ipc": the route to `peer` (transport auto), else the transport's kind."""
-        transport = self._engine.transport
+        transport = self._transport
         route = getattr(transport, "transport_of", None)
         name = route(peer) if route is not None else None
         if name:

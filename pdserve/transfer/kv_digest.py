@@ -26,11 +26,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from pdserve.connector.device_layout import BlockRuns
-from pdserve.connector.kv_groups import NULL_BLOCK
-from pdserve.connector.layout import KvLayout, LayerPlacement
-from pdserve.connector.ranks import Slicing
 from pdserve.errors import TransferError
+from pdserve.transfer.device_layout import BlockRuns
+from pdserve.transfer.layout import KvLayout, LayerPlacement
+from pdserve.transfer.ranks import Slicing
+from pdserve.transfer.record import NULL_BLOCK
 from pdserve.transport.base import RegionDescriptor
 
 DIGEST_BYTES = 4  # per block position

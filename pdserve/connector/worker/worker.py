@@ -18,18 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pdserve.config import ConnectorConfig
-from pdserve.connector.decode_serving import DecodeServing
-from pdserve.connector.engine import Finished, TransferEngine
 from pdserve.connector.guard import guarded
-from pdserve.connector.idle_pump import IdlePump
-from pdserve.connector.incarnation import Incarnation
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.kv_memory import KvMemory
-from pdserve.connector.layout import KvLayout, check_compatible
 from pdserve.connector.metadata import StageSpec, StepPlan
-from pdserve.connector.peers import HandshakeResult
-from pdserve.connector.ranks import SINGLE, Ranks
-from pdserve.connector.worker_stats import WorkerStats
+from pdserve.connector.worker.decode_serving import DecodeServing
+from pdserve.connector.worker.idle_pump import IdlePump
+from pdserve.connector.worker.kv_memory import KvMemory
+from pdserve.connector.worker.worker_stats import WorkerStats
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
 from pdserve.control.endpoint import Client, Server
@@ -49,6 +44,11 @@ from pdserve.control.secret import load_secret
 from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
 from pdserve.placement.messages import DecodeStatus, PrefillLoad
 from pdserve.rigs import attach_rig
+from pdserve.transfer.engine import Finished, TransferEngine
+from pdserve.transfer.incarnation import Incarnation
+from pdserve.transfer.layout import KvLayout, check_compatible
+from pdserve.transfer.peers import HandshakeResult
+from pdserve.transfer.ranks import SINGLE, Ranks
 from pdserve.transport.base import RegionDescriptor, TransferStatus, Transport
 from pdserve.transport.device import MemoryDevice
 from pdserve.transport.device_backend import DeviceBackend

@@ -15,10 +15,10 @@ from __future__ import annotations
 import hashlib
 import re
 
-from pdserve.connector.device_layout import HEAD, VLLM_VIEW_ROLES, BlockRuns, KvTensorLayout
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.layout import KvLayout, LayerPlacement, Placement, cpu_isa
 from pdserve.errors import PDServeError
+from pdserve.transfer.device_layout import HEAD, VLLM_VIEW_ROLES, BlockRuns, KvTensorLayout
+from pdserve.transfer.layout import KvLayout, LayerPlacement, Placement, cpu_isa
 from pdserve.transport.base import Transport
 from pdserve.transport.device_transport import register_device_tensors
 from pdserve.transport.shm_tensor import move_tensors_to_shared_memory

@@ -1,6 +1,6 @@
 """`PlacementLink`: the transfer engine's side of adaptive placement (the policy is pdserve/placement/).
 
-P: a prefill leg waits for D's word (D's `RemoteBlocks` or `Release` for its transfer decides
+P: a prefill transfer waits for D's word (D's `RemoteBlocks` or `Release` for its transfer decides
 it), and P's load goes to every decode instance it knows. D: P's loads are heard, and D's status
 goes to every prefill instance it knows. Both publications are rate-limited by `PlacementInbox`.
 """
@@ -8,36 +8,36 @@ goes to every prefill instance it knows. Both publications are rate-limited by `
 from __future__ import annotations
 
 from pdserve.config import ConnectorConfig, Role
-from pdserve.connector.metadata import AwaitSpec
-from pdserve.connector.peers import PeerTable
-from pdserve.connector.transfers.messenger import Messenger
-from pdserve.connector.transfers.records import TransferRecords
 from pdserve.control.messages import Release, RemoteBlocks
 from pdserve.placement.inbox import PlacementInbox, WorkerNews
 from pdserve.placement.messages import DecodeStatus, PrefillLoad
+from pdserve.transfer.history import TransferHistory
+from pdserve.transfer.messenger import Messenger
+from pdserve.transfer.peers import PeerTable
+from pdserve.transfer.specs import AwaitSpec
 
 PLACEMENT_MESSAGES = (PrefillLoad, DecodeStatus)
 
 
 class PlacementLink:
-    def __init__(self, config: ConnectorConfig, messenger: Messenger, peers: PeerTable, records: TransferRecords):
+    def __init__(self, config: ConnectorConfig, messenger: Messenger, peers: PeerTable, history: TransferHistory):
         self._role = config.role
         self._messenger = messenger
         self._peers = peers
-        self._records = records
+        self._history = history
         self._inbox = PlacementInbox(config.defer_timeout)
 
     @property
     def waiting(self) -> bool:
-        """Some leg waits for D's word."""
+        """Some transfer waits for D's word."""
         return self._inbox.waiting
 
     def await_decision(self, spec: AwaitSpec, running: bool) -> None:
-        """P: the prefill leg of `spec` waits for D's word; `running`: its transfer runs already."""
+        """P: the prefill transfer of `spec` waits for D's word; `running`: its transfer runs already."""
         tid = spec.transfer_id
-        if tid in self._records.terminal or running:
-            known = tid not in self._records.terminal
-        elif self._records.announced_early(tid):
+        if tid in self._history.terminal or running:
+            known = tid not in self._history.terminal
+        elif self._history.announced_early(tid):
             known = True
         else:
             known = None
@@ -66,6 +66,6 @@ class PlacementLink:
             self._inbox.on_status(message)
 
     def on_unknown(self, tid: str, message) -> None:
-        """P: D's word for a transfer that does not run (yet): it decides a waiting leg."""
+        """P: D's word for a transfer that does not run (yet): it decides a waiting transfer."""
         if self._role is Role.PRODUCER and isinstance(message, (RemoteBlocks, Release)):
             self._inbox.decided(tid, isinstance(message, RemoteBlocks))

@@ -9,13 +9,28 @@ vLLM reuse the blocks, only then.
 
 from __future__ import annotations
 
-from pdserve.connector.transfer import Transfer, TransferState
-from pdserve.connector.transfers.base import LegKind
+from pdserve.config import ConnectorConfig
 from pdserve.control.messages import ReadAck, ReadDone
+from pdserve.transfer.binding import PeerBinding
+from pdserve.transfer.copier import Copier
+from pdserve.transfer.endings import Endings
+from pdserve.transfer.kinds.base import TransferKind
+from pdserve.transfer.messenger import Messenger
+from pdserve.transfer.record import Transfer, TransferState
+from pdserve.transfer.verify import Verifier
 from pdserve.transport.base import Direction
 
 
-class ReadRecv(LegKind):
+class ReadRecv(TransferKind):
+    def __init__(self, messenger: Messenger, endings: Endings, *, config: ConnectorConfig, binding: PeerBinding,
+                 copier: Copier, verifier: Verifier, num_layers: int):
+        super().__init__(messenger, endings)
+        self._config = config
+        self._binding = binding
+        self._copier = copier
+        self._verifier = verifier
+        self._num_layers = num_layers
+
     def on_message(self, t: Transfer, sender: str, message, received: float) -> None:
         if isinstance(message, ReadAck):
             self._on_read_ack(t, message)
@@ -23,7 +38,7 @@ class ReadRecv(LegKind):
             self.ignore(t, message)
 
     def on_peer(self, t: Transfer, peer) -> None:
-        self.engine.binding.bind(t)
+        self._binding.bind(t)
 
     def on_bound(self, t: Transfer, peer) -> None:
         self._try_read(t)
@@ -34,8 +49,8 @@ class ReadRecv(LegKind):
     def copies_settled(self, t: Transfer) -> None:
         if t.state is TransferState.COPYING:
             t.confirm()
-            config = self.engine.config
-            self.engine.messenger.notify(t.peer, ReadDone(t.transfer_id, list(t.remote_block_ids or ()), t.prompt_hash,
+            config = self._config
+            self._messenger.notify(t.peer, ReadDone(t.transfer_id, list(t.remote_block_ids or ()), t.prompt_hash,
                                                 config.host_ip, config.notify_port), t.link.identity)
 
     def expiry_reason(self, t: Transfer) -> str:
@@ -46,20 +61,20 @@ class ReadRecv(LegKind):
     def _try_read(self, t: Transfer) -> None:
         if t.state is not TransferState.WAITING or t.copies.handles:
             return
-        peer = self.engine.binding.bound_peer(t)
+        peer = self._binding.bound_peer(t)
         if peer is not None:
             t.copies.not_after = t.deadline  # a read still running then is stopped, or waited for till it ended
-            self.engine.submit(t, peer, Direction.READ, range(self.engine.num_layers))
+            self._copier.submit(t, peer, Direction.READ, range(self._num_layers))
 
     def _on_read_ack(self, t: Transfer, message: ReadAck) -> None:
         if t.state is not TransferState.CONFIRMING:
             return
         if message.ok:
-            mismatch = self.engine.verifier.check(t, message.kv_digest)  # our reads ended
+            mismatch = self._verifier.check(t, message.kv_digest)  # our reads ended
             if mismatch:
                 t.fail(mismatch)
             else:
                 t.succeed()
-            self.engine.finish(t)
+            self._endings.finish(t)
         else:
-            self.engine.stop(t, f"prefill did not confirm the KV it held: {message.error}", tell_peer=True)
+            self._endings.stop(t, f"prefill did not confirm the KV it held: {message.error}", tell_peer=True)

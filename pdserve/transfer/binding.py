@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import time
 
-from pdserve.connector.allowlist import PeerAllowList
-from pdserve.connector.peers import Peer, PeerState, PeerTable
-from pdserve.connector.transfer import Transfer
-from pdserve.connector.transfers.base import Engine
 from pdserve.control.address import PeerAddress
+from pdserve.transfer.allowlist import PeerAllowList
+from pdserve.transfer.completions import TransferStats
+from pdserve.transfer.endings import Endings
+from pdserve.transfer.hooks import KindTable
+from pdserve.transfer.messenger import Messenger
+from pdserve.transfer.peers import Peer, PeerState, PeerTable
+from pdserve.transfer.record import Transfer
 
 
 class PeerBinding:
-    def __init__(self, engine: Engine, peers: PeerTable, allow: PeerAllowList):
-        self._engine = engine
+    def __init__(self, peers: PeerTable, allow: PeerAllowList, messenger: Messenger, stats: TransferStats,
+                 endings: Endings, kinds: KindTable, running: dict[str, Transfer]):
         self._peers = peers
         self._allow = allow
+        self._messenger = messenger
+        self._stats = stats
+        self._endings = endings
+        self._kinds = kinds
+        self._running = running  # transfer id -> transfer, shared with the engine
 
     def prepare(self, t: Transfer) -> None:
         """P: handshake `t`'s peer while the forward pass runs; a refused peer fails `t` now
@@ -32,12 +40,11 @@ class PeerBinding:
 
     def bound_peer(self, t: Transfer) -> Peer | None:
         """The ready peer of `t`'s incarnation, or None (waiting for a handshake, or failed)."""
-        engine = self._engine
         peer = self._peers.lookup(t.peer)
         if peer.state is PeerState.FAILED:
             if not self._allow.allows(t.peer.host):
-                engine.stats.num_refused += 1
-            engine.stop(t, peer.error, tell_peer=True)
+                self._stats.num_refused += 1
+            self._endings.stop(t, peer.error, tell_peer=True)
             return None
         if peer.state is not PeerState.READY or peer.refreshing:
             return None
@@ -52,13 +59,13 @@ class PeerBinding:
             t.link.refreshed = True
             self._peers.refresh(t.peer)
             return None
-        engine.stats.num_fenced += 1
-        engine.stop(t, f"peer incarnation {t.link.identity} is gone ({peer.key} listens there now)", tell_peer=False)
+        self._stats.num_fenced += 1
+        self._endings.stop(t, f"peer incarnation {t.link.identity} is gone ({peer.key} listens there now)", tell_peer=False)
         return None
 
     def bind(self, t: Transfer) -> None:
         """D: bind `t` to its peer's current incarnation, apply what waited for that, and start."""
-        kind = self._engine.kind(t)
+        kind = self._kinds.of(t)
         if t.link.identity is not None:
             kind.on_rebind(t)
             return
@@ -69,33 +76,33 @@ class PeerBinding:
         deferred, t.link.deferred = t.link.deferred, []
         for sender, message, received in deferred:  # e.g. P's WriteDone(ok=False): then nothing is announced
             if not t.state.is_terminal:
-                self._engine.deliver(t, sender, message, received)
+                self._kinds.deliver(t, sender, message, received)
         if not t.state.is_terminal and not t.stopping:
             kind.on_bound(t, peer)
 
     def on_peer(self, peer: Peer) -> None:
         """A handshake ended: send what waited for it and resume the transfers with that peer."""
-        self._engine.messenger.flush(peer)
-        for t in self._engine.running():
+        self._messenger.flush(peer)
+        for t in list(self._running.values()):
             if t.peer == peer.address and not t.state.is_terminal:
-                self._engine.kind(t).on_peer(t, peer)
+                self._kinds.of(t).on_peer(t, peer)
 
     def check_peers(self) -> None:
         """Fence the transfers of incarnations that died; close idle peers' connections."""
         for peer in self._peers.gone():
             self.peer_gone(peer.address, peer.key, already_removed=True)
-        busy = {t.peer for t in self._engine.running() if t.peer is not None}
+        busy = {t.peer for t in list(self._running.values()) if t.peer is not None}
         for peer in self._peers.evict_idle(busy):
-            self._engine.messenger.forget(peer.address)
+            self._messenger.forget(peer.address)
 
     def peer_gone(self, address: PeerAddress, identity: str, already_removed: bool = False) -> None:
         """Incarnation `identity` died: nothing of it can copy any more; fail what was bound to it."""
         if not already_removed:
             self._peers.drop(address)
-        self._engine.messenger.forget(address)
-        for t in self._engine.running():
+        self._messenger.forget(address)
+        for t in list(self._running.values()):
             if t.link.identity == identity and not t.state.is_terminal:
-                self._engine.stats.num_fenced += 1
+                self._stats.num_fenced += 1
                 if t.window is not None:
                     t.window.fence = time.monotonic()  # a dead process writes nothing
-                self._engine.stop(t, f"peer incarnation {identity} died", tell_peer=False)
+                self._endings.stop(t, f"peer incarnation {identity} died", tell_peer=False)

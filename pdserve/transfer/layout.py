@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdserve.connector.device_layout import MAX_RUNS, BlockRuns
-from pdserve.connector.ranks import Slicing
 from pdserve.errors import IncompatiblePeerError, ProtocolError
+from pdserve.transfer.device_layout import MAX_RUNS, BlockRuns
+from pdserve.transfer.ranks import Slicing
 from pdserve.transport.base import CopyOp, RegionOps, merge_contiguous
 
 MAX_LAYERS = 4096

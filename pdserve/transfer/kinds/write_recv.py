@@ -29,14 +29,29 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve.connector.transfer import Transfer, TransferState, WriteWindow
-from pdserve.connector.transfers.base import LegKind
+from pdserve.config import ConnectorConfig
 from pdserve.control.messages import RemoteBlocks, WriteDone
+from pdserve.transfer.binding import PeerBinding
+from pdserve.transfer.copier import Copier
+from pdserve.transfer.endings import Endings
+from pdserve.transfer.kinds.base import TransferKind
+from pdserve.transfer.messenger import Messenger
+from pdserve.transfer.record import Transfer, TransferState, WriteWindow
+from pdserve.transfer.verify import Verifier
 
 logger = logging.getLogger("pdserve.connector")
 
 
-class WriteRecv(LegKind):
+class WriteRecv(TransferKind):
+    def __init__(self, messenger: Messenger, endings: Endings, *, config: ConnectorConfig, binding: PeerBinding,
+                 copier: Copier, verifier: Verifier, host_staging: bool):
+        super().__init__(messenger, endings)
+        self._config = config
+        self._binding = binding
+        self._copier = copier
+        self._verifier = verifier
+        self._host_staging = host_staging  # P writes into our host mirror: what it wrote is landed after
+
     def on_message(self, t: Transfer, sender: str, message, received: float) -> None:
         if isinstance(message, WriteDone):
             self._on_write_done(t, message)
@@ -44,21 +59,21 @@ class WriteRecv(LegKind):
             self.ignore(t, message)
 
     def on_peer(self, t: Transfer, peer) -> None:
-        self.engine.binding.bind(t)
+        self._binding.bind(t)
 
     def on_bound(self, t: Transfer, peer) -> None:
         announced_at = time.monotonic()  # before it is queued: the fence counts from here
         write_for = max(0.0, t.deadline - announced_at)
         message = RemoteBlocks(t.transfer_id, list(t.local_block_ids), t.first_block, t.prompt_hash, write_for)
-        if self.engine.messenger.notify(t.peer, message, peer.key):
+        if self._messenger.notify(t.peer, message, peer.key):
             t.announce(WriteWindow(announced_at, write_for))
         else:
-            self.engine.stop(t, f"cannot reach the prefill instance at {t.peer.host}:{t.peer.notify_port}",
+            self._endings.stop(t, f"cannot reach the prefill instance at {t.peer.host}:{t.peer.notify_port}",
                              tell_peer=True)
 
     def expiry_reason(self, t: Transfer) -> str:
         if t.state is TransferState.ANNOUNCED:
-            return f"timed out after {self.engine.config.transfer_timeout:.1f} s waiting for the prefill's KV"
+            return f"timed out after {self._config.transfer_timeout:.1f} s waiting for the prefill's KV"
         if t.link.identity is None:
             return "could not reach the prefill instance in time"
         return super().expiry_reason(t)
@@ -66,13 +81,13 @@ class WriteRecv(LegKind):
     def on_stopping(self, t: Transfer) -> None:
         window = t.window
         if window is not None and window.fence is None:
-            window.fence = window.announced_at + window.write_for + self.engine.config.release_grace
+            window.fence = window.announced_at + window.write_for + self._config.release_grace
             t.deadline = max(t.deadline, window.fence)
 
     def copies_settled(self, t: Transfer) -> None:
         if t.copies.handles:  # landed
             t.succeed()
-            self.engine.finish(t)
+            self._endings.finish(t)
 
     def may_fail(self, t: Transfer) -> bool:
         window = t.window
@@ -88,21 +103,21 @@ class WriteRecv(LegKind):
         if message.ok and t.window is None:
             t.fail("prefill confirmed a write of blocks decode never announced")
         elif message.ok and not t.stopping and message.prompt_hash == t.prompt_hash:
-            mismatch = self.engine.verifier.check(t, message.kv_digest)  # P's copies ended: nothing lands any more
+            mismatch = self._verifier.check(t, message.kv_digest)  # P's copies ended: nothing lands any more
             if mismatch:
                 t.fail(mismatch)
-                self.engine.finish(t)
+                self._endings.finish(t)
                 return
-            t.copies.num_bytes = self.engine.bytes_to_move(t)
-            if self.engine.staging is not None:
-                self.engine.land(t)
+            t.copies.num_bytes = self._copier.bytes_to_move(t)
+            if self._host_staging:
+                self._copier.land(t)
                 return  # DONE once landed (copies_settled)
             t.succeed()
         elif message.ok and not t.stopping:
             t.fail("prefill delivered the KV of a different prompt (prompt digests differ)")
         else:  # P stopped for good: no copy of it can touch our blocks any more
             t.fail(t.error or f"prefill could not deliver the KV: {message.error}")
-        self.engine.finish(t)
+        self._endings.finish(t)
 
     def _may_still_copy(self, t: Transfer, window: WriteWindow) -> bool:
         """Past the fence a P elsewhere cannot be observed from here, so for it the fence alone
@@ -115,7 +130,7 @@ class WriteRecv(LegKind):
         incarnation = t.link.incarnation
         if incarnation is None or not incarnation.same_host or incarnation.is_gone():
             return False
-        config = self.engine.config
+        config = self._config
         now = time.monotonic()
         cpu = incarnation.cpu_ticks()
         if window.peer_cpu_at_fence is None:
@@ -127,5 +142,5 @@ class WriteRecv(LegKind):
             return False
         if now >= window.next_release:
             window.next_release = now + config.release_grace
-            self.engine.messenger.notify(t.peer, self.engine.messenger.release(t.transfer_id), t.link.identity)
+            self._messenger.notify(t.peer, self._messenger.release(t.transfer_id), t.link.identity)
         return True

@@ -10,10 +10,10 @@ import logging
 from typing import Protocol
 
 from pdserve.config import ConnectorConfig
-from pdserve.connector.allowlist import PeerAllowList
-from pdserve.connector.peers import Peer, PeerState, PeerTable
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import ReadAck, ReadDone, Release, WriteDone
+from pdserve.transfer.allowlist import PeerAllowList
+from pdserve.transfer.peers import Peer, PeerState, PeerTable
 
 logger = logging.getLogger("pdserve.connector")
 

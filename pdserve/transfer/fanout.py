@@ -1,5 +1,5 @@
-"""`Fanout`: one request's transfer, split into the sub-transfers of this rank's rank pairs, and
-their endings joined into one report.
+"""`Fanout`: one request's transfer, split into the sub-transfers of this rank's rank pairs (the
+engine opens them; groups.py joins their endings into one report).
 
 Between instances of tensor-parallel sizes Tp and Td each rank moves only its pairs' heads
 (ranks.py). A send or receive needs the peer instance's TP size, which its handshake answers (the
@@ -14,30 +14,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from pdserve.config import TransferMode
-from pdserve.connector.metadata import CancelSpec, RecvSpec, SendSpec
-from pdserve.connector.peers import Peer, PeerState, PeerTable
-from pdserve.connector.ranks import Ranks, Slicing, coverer, pairs_for, parse_sub_id, rank_address, sub_id
-from pdserve.connector.transfer import Side, Transfer, TransferState
-from pdserve.connector.transfers.write_send import RELEASED_BY_DECODE
+from pdserve.config import ConnectorConfig, TransferMode
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import Release, WriteDone
+from pdserve.transfer.endings import Endings
+from pdserve.transfer.groups import Groups
+from pdserve.transfer.messenger import Messenger
+from pdserve.transfer.peers import Peer, PeerState, PeerTable
+from pdserve.transfer.ranks import Ranks, Slicing, coverer, pairs_for, parse_sub_id, rank_address, sub_id
+from pdserve.transfer.record import RELEASED_BY_DECODE, Side, Transfer
+from pdserve.transfer.specs import CancelSpec, RecvSpec, SendSpec
 
 logger = logging.getLogger("pdserve.connector")
 
 
 MAX_WAITING_WORDS = 4096  # letting-go messages waiting for a handshake (each answers within its deadline)
-
-
-@dataclass
-class Group:
-    """The sub-transfers of one transfer on this rank."""
-
-    request_id: str
-    side: Side
-    open: int  # sub-transfers not yet ended
-    failed: bool = False
 
 
 @dataclass
@@ -50,33 +43,50 @@ class Parked:
     deadline: float  # monotonic: past it, it goes on as if the peer had TP 1 (and fails on it)
 
 
+class Opening(NamedTuple):
+    """A sub-transfer to open: `spec`'s part with one peer rank (the engine opens it)."""
+
+    spec: SendSpec | RecvSpec
+    transfer_id: str
+    peer: PeerAddress
+    slicing: Slicing | None
+    group: str  # the transfer's own id
+    step: int
+    arrived: float
+
+
 class Fanout:
-    def __init__(self, engine, ranks: Ranks, peers: PeerTable):
-        self._engine = engine  # engine.TransferEngine: opens the sub-transfers, reports endings
+    def __init__(self, config: ConnectorConfig, ranks: Ranks, peers: PeerTable, messenger: Messenger, groups: Groups,
+                 running: dict[str, Transfer], endings: Endings):
+        self._config = config
         self.ranks = ranks
         self._peers = peers
+        self._messenger = messenger
+        self._groups = groups
+        self._running = running  # transfer id -> transfer, shared with the engine
+        self._endings = endings
         self._parked: list[Parked] = []
-        self._groups: dict[str, Group] = {}  # transfer id -> its sub-transfers on this rank
         self._letting_go: list[tuple[PeerAddress, object]] = []  # (instance, message) waiting for its size
 
     # ---- splitting -------------------------------------------------------------------------
 
-    def add(self, spec: SendSpec | RecvSpec, step: int) -> None:
-        if spec.transfer_id in self._groups or any(p.spec.transfer_id == spec.transfer_id for p in self._parked):
-            self._engine.reject(spec, f"transfer_id {spec.transfer_id!r} is already in use")
-            return
+    def in_use(self, transfer_id: str) -> bool:
+        """Whether a send or receive of `transfer_id` was split or waits to be."""
+        return transfer_id in self._groups or any(p.spec.transfer_id == transfer_id for p in self._parked)
+
+    def add(self, spec: SendSpec | RecvSpec, step: int) -> list[Opening]:
+        """Split `spec` into the sub-transfers to open now, or park it until its peer's size is known."""
         size = self._peer_size(spec.peer)
         now = time.monotonic()
         if size is None:
-            config = self._engine.config
-            limit = config.handshake_timeout + 1.0
+            limit = self._config.handshake_timeout + 1.0
             if isinstance(spec, RecvSpec):
-                limit = min(limit, config.transfer_timeout)
+                limit = min(limit, self._config.transfer_timeout)
             self._parked.append(Parked(spec, step, now, now + limit))
-        else:
-            self._split(spec, size, step, now)
+            return []
+        return self._split(spec, size, step, now)
 
-    def on_peer(self, peer: Peer) -> None:
+    def on_peer(self, peer: Peer) -> list[Opening]:
         """A handshake ended: split what waited for that instance's size, tell its ranks what waited."""
         waiting_words = [(base, message) for base, message in self._letting_go if base == peer.address]
         if waiting_words:
@@ -86,15 +96,14 @@ class Fanout:
         waiting = [p for p in self._parked if p.spec.peer == peer.address]
         if waiting:
             self._parked = [p for p in self._parked if p.spec.peer != peer.address]
-            for parked in waiting:
-                self._split(parked.spec, self._peer_size(parked.spec.peer) or 1, parked.step, parked.arrived)
+        return [o for parked in waiting
+                for o in self._split(parked.spec, self._peer_size(parked.spec.peer) or 1, parked.step, parked.arrived)]
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float) -> list[Opening]:
         late = [p for p in self._parked if now > p.deadline]
         if late:
             self._parked = [p for p in self._parked if now <= p.deadline]
-            for parked in late:
-                self._split(parked.spec, 1, parked.step, parked.arrived)
+        return [o for parked in late for o in self._split(parked.spec, 1, parked.step, parked.arrived)]
 
     def _peer_size(self, base: PeerAddress) -> int | None:
         peer = self._peers.lookup(base)
@@ -104,25 +113,23 @@ class Fanout:
             return 1  # its sub-transfers fail on it, naming why
         return None
 
-    def _split(self, spec: SendSpec | RecvSpec, peer_size: int, step: int, arrived: float) -> None:
+    def _split(self, spec: SendSpec | RecvSpec, peer_size: int, step: int, arrived: float) -> list[Opening]:
         sending = isinstance(spec, SendSpec)
         prefill_size, decode_size = (self.ranks.size, peer_size) if sending else (peer_size, self.ranks.size)
         pairs = pairs_for(self.ranks, peer_size, local_is_prefill=sending)
-        group = Group(spec.request_id, Side.SEND if sending else Side.RECV, len(pairs))
-        self._groups[spec.transfer_id] = group
+        self._groups.open(spec.transfer_id, spec.request_id, Side.SEND if sending else Side.RECV, len(pairs))
         peer_heads = Ranks(0, peer_size, self.ranks.total_heads).local_heads
+        openings = []
         for pair in pairs:
             tid = sub_id(spec.transfer_id, pair.prefill, prefill_size, pair.decode, decode_size)
             address = rank_address(spec.peer, pair.decode if sending else pair.prefill)
             slicing = None if pair.heads is None else Slicing(pair.heads, self.ranks.local_heads, peer_heads)
-            if sending:
-                self._engine.open_send(spec, tid, address, slicing, spec.transfer_id, step, arrived)
-            else:
-                self._engine.open_recv(spec, tid, address, slicing, spec.transfer_id, arrived)
+            openings.append(Opening(spec, tid, address, slicing, spec.transfer_id, step, arrived))
         if not sending and spec.mode is TransferMode.READ:
-            self._cover(spec, peer_size)
+            self._cover(spec, peer_size)  # other P ranks than the ones opened here: the order does not matter
         if not pairs:
-            self._end(spec.transfer_id)
+            self._groups.end(spec.transfer_id)
+        return openings
 
     def _cover(self, spec: RecvSpec, prefill_size: int) -> None:
         """READ: P ranks no D rank reads from are told to let go by one D rank each."""
@@ -130,15 +137,16 @@ class Fanout:
         for p in range(prefill_size):
             if coverer(prefill, self.ranks.size, p) == self.ranks.rank:
                 tid = sub_id(spec.transfer_id, p, prefill_size, self.ranks.rank, self.ranks.size)
-                self._engine.messenger.send(rank_address(spec.peer, p), self._engine.messenger.release(tid))
+                self._messenger.send(rank_address(spec.peer, p), self._messenger.release(tid))
 
-    def split_hold(self, name: str) -> Transfer | None:
-        """P READ: a D rank named sub-transfer `name` of a prompt we hold whole: split the hold
-        into this rank's sub-transfers with D's ranks; the one named, if it is ours."""
+    def split_hold(self, name: str) -> tuple[Transfer, list[tuple[str, Slicing | None]]] | None:
+        """P READ: a D rank named sub-transfer `name` of a prompt we hold whole: the hold to split
+        into this rank's sub-transfers with D's ranks, and those (id, heads) (the engine replaces
+        the hold by them); None when `name` names no such hold of ours."""
         sub = parse_sub_id(name)
         if sub is None:
             return None
-        parent = self._engine.transfer(sub.transfer_id)
+        parent = self._running.get(sub.transfer_id)
         if parent is None or parent.side is not Side.SEND or parent.mode is not TransferMode.READ or parent.group:
             return None
         if (sub.prefill, sub.prefill_size) != (self.ranks.rank, self.ranks.size):
@@ -149,27 +157,11 @@ class Fanout:
         peer_heads = Ranks(0, sub.decode_size, self.ranks.total_heads).local_heads
         readers = [(p.decode, None if p.heads is None else Slicing(p.heads, self.ranks.local_heads, peer_heads))
                    for p in pairs] or [(coverer(self.ranks, sub.decode_size, self.ranks.rank), None)]
-        self._groups[parent.transfer_id] = Group(parent.request_id, Side.SEND, len(readers))
-        self._engine.replace_hold(parent, [(sub_id(parent.transfer_id, self.ranks.rank, self.ranks.size, d,
-                                                   sub.decode_size), slicing) for d, slicing in readers])
-        return self._engine.transfer(name)
+        self._groups.open(parent.transfer_id, parent.request_id, Side.SEND, len(readers))
+        return parent, [(sub_id(parent.transfer_id, self.ranks.rank, self.ranks.size, d, sub.decode_size), slicing)
+                        for d, slicing in readers]
 
-    # ---- endings ---------------------------------------------------------------------------
-
-    def ended(self, t: Transfer) -> bool:
-        """`t` ended; True when it belongs to a group (whose report waits for its last member)."""
-        group = self._groups.get(t.group) if t.group else None
-        if group is None:
-            return False
-        group.open -= 1
-        group.failed |= t.state is TransferState.FAILED
-        if group.open <= 0:
-            self._end(t.group)
-        return True
-
-    def _end(self, transfer_id: str) -> None:
-        group = self._groups.pop(transfer_id)
-        self._engine.group_ended(group.request_id, group.side, group.failed)
+    # ---- endings ----------------------------------------------------------------------------
 
     def tell_every_rank(self, base: PeerAddress | None, message) -> None:
         """Send a letting-go message under a transfer's own id to every rank of the peer instance
@@ -182,7 +174,7 @@ class Fanout:
             self._letting_go = [*self._letting_go[-MAX_WAITING_WORDS + 1:], (base, message)]
             return
         for rank in range(size):
-            self._engine.messenger.send(rank_address(base, rank), message)
+            self._messenger.send(rank_address(base, rank), message)
 
     def let_go_of_group(self, transfer_id: str, message) -> bool:
         """A peer rank let go (Release, or WriteDone not ok) of a transfer under its own id, which
@@ -192,9 +184,9 @@ class Fanout:
             return False
         reason = RELEASED_BY_DECODE if isinstance(message, Release) else \
             f"prefill could not deliver the KV: {message.error}"
-        for t in self._engine.running():
+        for t in list(self._running.values()):
             if t.group == transfer_id:
-                self._engine.stop(t, reason, tell_peer=True)
+                self._endings.stop(t, reason, tell_peer=True)
         return True
 
     def cancel(self, spec: CancelSpec) -> bool:
@@ -203,13 +195,13 @@ class Fanout:
         if parked:
             self._parked = [p for p in self._parked if p.spec.transfer_id != spec.transfer_id]
             side = Side.SEND if isinstance(parked[0].spec, SendSpec) else Side.RECV
-            self._engine.group_ended(parked[0].spec.request_id, side, True)
-            return False  # the peer is still told (records.cancel), under the transfer's own id
+            self._groups.failed_unsplit(parked[0].spec.request_id, side)
+            return False  # the peer is still told (history.py: fence), under the transfer's own id
         if spec.transfer_id not in self._groups:
             return False
-        for t in self._engine.running():
+        for t in list(self._running.values()):
             if t.group == spec.transfer_id:
-                self._engine.stop(t, spec.reason, tell_peer=True)
+                self._endings.stop(t, spec.reason, tell_peer=True)
         return True
 
     def parked_sends(self) -> set[str]:

@@ -27,13 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from pdserve.connector.allowlist import PeerAllowList
-from pdserve.connector.handshakes import HandshakeThreads
-from pdserve.connector.incarnation import Incarnation
-from pdserve.connector.layout import KvLayout
-from pdserve.connector.ranks import SINGLE, Ranks
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
+from pdserve.transfer.allowlist import PeerAllowList
+from pdserve.transfer.handshakes import HandshakeThreads
+from pdserve.transfer.incarnation import Incarnation
+from pdserve.transfer.layout import KvLayout
+from pdserve.transfer.ranks import SINGLE, Ranks
 from pdserve.transport.base import RegionDescriptor, Transport
 from pdserve.transport.nixl_auto import PeerRoute
 

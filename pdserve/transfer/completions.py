@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.connector.transfer import Side, Transfer, TransferState
+from pdserve.transfer.record import Side, Transfer, TransferState
 from pdserve.transport.base import TransferStatus
 
 
@@ -28,6 +28,13 @@ class TransferStats:
     num_refused: int = 0  # transfers refused because their peer is not in allowed_peers
     digest_seconds: float = 0.0  # kv_verify: time spent hashing KV blocks (P: what it sends; D: what landed)
     digest_mismatches: list[str] = field(default_factory=list)  # D: "transport:mode" per transfer that failed its digest
+
+    def take(self) -> TransferStats:
+        """What was counted since the last take; counting starts again from zero, in place (the
+        engine's parts hold this object)."""
+        taken = TransferStats(**vars(self))
+        self.__init__()
+        return taken
 
     def record(self, t: Transfer) -> None:
         """Count `t`, which has just reached DONE or FAILED."""

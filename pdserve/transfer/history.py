@@ -1,7 +1,7 @@
-"""`TransferRecords`: what the engine remembers of transfers it does not run, and how it answers
+"""`TransferHistory`: what the engine remembers of transfers it does not run, and how it answers
 messages for them.
 
-It keeps the ids that ended (so a late message never revives one, and a leg that comes after
+It keeps the ids that ended (so a late message never revives one, and a transfer that comes after
 D's Release is dropped) and the messages that came before their transfer (bounded in number,
 each with an expiry), which the engine applies when the transfer appears.
 """
@@ -13,10 +13,10 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from pdserve.config import ConnectorConfig, Role
-from pdserve.connector.metadata import CancelSpec
-from pdserve.connector.transfers.messenger import Messenger
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import ReadDone, Release, RemoteBlocks, WriteDone
+from pdserve.transfer.messenger import Messenger
+from pdserve.transfer.specs import CancelSpec
 
 MAX_TERMINAL_IDS = 4096
 MAX_EARLY_IDS = 4096
@@ -29,7 +29,7 @@ class EarlyMessage(NamedTuple):
     received: float  # monotonic time the control-plane thread received it
 
 
-class TransferRecords:
+class TransferHistory:
     def __init__(self, config: ConnectorConfig, messenger: Messenger):
         self._config = config
         self._messenger = messenger
@@ -54,7 +54,7 @@ class TransferRecords:
         return any(isinstance(item.message, RemoteBlocks) for item in self.early.get(tid, ()))
 
     def fence(self, spec: CancelSpec) -> bool:
-        """The scheduler cancelled a transfer the engine does not run: fence its id (a leg that
+        """The scheduler cancelled a transfer the engine does not run: fence its id (a transfer that
         comes later never runs); False when it was fenced already."""
         if spec.transfer_id in self.terminal:
             return False
