@@ -19,6 +19,8 @@ from pdserve.transfer.messenger import Messenger
 from pdserve.transfer.peers import Peer, PeerState, PeerTable
 from pdserve.transfer.record import Transfer
 
+LIVENESS_EVERY_S = 0.5
+
 
 class PeerBinding:
     def __init__(self, peers: PeerTable, allow: PeerAllowList, messenger: Messenger, stats: TransferStats,
@@ -30,6 +32,7 @@ class PeerBinding:
         self._endings = endings
         self._kinds = kinds
         self._running = running  # transfer id -> transfer, shared with the engine
+        self._next_check = 0.0  # monotonic: when `check_peers` looks again
 
     def prepare(self, t: Transfer) -> None:
         """P: handshake `t`'s peer while the forward pass runs; a refused peer fails `t` now
@@ -87,8 +90,12 @@ class PeerBinding:
             if t.peer == peer.address and not t.state.is_terminal:
                 self._kinds.of(t).on_peer(t, peer)
 
-    def check_peers(self) -> None:
-        """Fence the transfers of incarnations that died; close idle peers' connections."""
+    def check_peers(self, now: float) -> None:
+        """Every LIVENESS_EVERY_S: fence the transfers of incarnations that died; close idle peers'
+        connections."""
+        if now < self._next_check:
+            return
+        self._next_check = now + LIVENESS_EVERY_S
         for peer in self._peers.gone():
             self.peer_gone(peer.address, peer.key, already_removed=True)
         busy = {t.peer for t in list(self._running.values()) if t.peer is not None}

@@ -16,7 +16,7 @@ from the block's start) and how many bytes it has, and `head_blocks(h)` the same
 bytes of each block; `head_contiguous` says whether those are one range per block (what moving
 a slice of the heads, for different tensor-parallel sizes on the two sides, needs to be cheap).
 
-vLLM is imported only inside `legacy_backend_layout`/`backend_layout_names`, never at import.
+Free of vLLM: a backend is read through the methods it has (`legacy_backend_layout`).
 """
 
 from __future__ import annotations
@@ -198,12 +198,3 @@ def legacy_backend_layout(backend_cls, num_blocks: int, block_size: int, num_kv_
         raise ValueError(f"cannot tell the dims of KV cache shape {shape} ({num_blocks} blocks)")
     roles += LEGACY_ROLES[-tail:]
     return KvTensorLayout.from_stride_order(shape, order, roles, elem_bytes, region_id, offset)
-
-
-def backend_layout_names(backend_cls) -> list[str]:
-    """The `KVCacheLayout` names a vLLM >= 0.32 backend supports, most preferred first (vLLM's
-    default preference when it declares none)."""
-    from vllm.v1.attention.backends import utils
-
-    layouts = backend_cls.supported_kv_cache_layouts() or utils._DEFAULT_LAYOUT_PREFERENCE
-    return [layout.name for layout in layouts]

@@ -48,6 +48,7 @@ from pdserve.transfer.ranks import SINGLE, Ranks
 from pdserve.transfer.record import Side, Transfer
 from pdserve.transfer.specs import AwaitSpec, CancelSpec, HoldSpec, RecvSpec, SendSpec
 from pdserve.transfer.staged_holds import StagedHolds
+from pdserve.transfer.step_sends import StepSends
 from pdserve.transfer.verify import Verifier
 from pdserve.transport.base import TransferStatus, Transport
 from pdserve.transport.staged import StagedTransport
@@ -56,15 +57,10 @@ __all__ = ["Finished", "Notifier", "TransferEngine", "TransferStats"]
 
 logger = logging.getLogger("pdserve.connector")
 
-LIVENESS_EVERY_S = 0.5
-
 
 class TransferEngine:
     def __init__(self, config: ConnectorConfig, layout: KvLayout, transport: Transport,
                  notifier: Notifier, handshake: Callable[[PeerAddress], HandshakeResult], ranks: Ranks = SINGLE):
-        self.config = config
-        self._layout = layout
-        self._transport = transport
         # KV on a GPU staged in host memory: P stages held blocks, D lands written ones (staged.py)
         self.staging = transport if isinstance(transport, StagedTransport) else None
         self.staged = StagedHolds()  # P READ: holds whose KV reached the mirror, until they end
@@ -80,20 +76,16 @@ class TransferEngine:
         groups = Groups(self._completions)
         self._endings = Endings(transport, self._kinds, self._transfers, self._history, self.stats, self.staged,
                                 groups, self._completions)
-        self.binding = PeerBinding(self._peers, allow, self.messenger, self.stats, self._endings, self._kinds,
+        self._binding = PeerBinding(self._peers, allow, self.messenger, self.stats, self._endings, self._kinds,
                                    self._transfers)
-        self.verifier = Verifier(layout, transport, self.staging is not None, self.stats, config.kv_verify == "digest")
-        copier = Copier(layout, transport, self.staging, self.verifier, self._endings)
-        kinds = transfer_kinds(KindParts(config, self.messenger, self._endings, self.binding, copier, self.verifier,
+        verifier = Verifier(layout, transport, self.staging is not None, self.stats, config.kv_verify == "digest")
+        copier = Copier(layout, transport, self.staging, verifier, self._endings)
+        kinds = transfer_kinds(KindParts(config, self.messenger, self._endings, self._binding, copier, verifier,
                                          self.staged, self.staging is not None, len(layout.layers)))
         self._kinds.register(kinds)
-        self._write_send = kinds[(Side.SEND, TransferMode.WRITE)]  # P WRITE: writes layers as they are computed
-        self.fanout = Fanout(config, ranks, self._peers, self.messenger, groups, self._transfers, self._endings)
+        self._step = StepSends(kinds[(Side.SEND, TransferMode.WRITE)], len(layout.layers))
+        self._fanout = Fanout(config, ranks, self._peers, self.messenger, groups, self._transfers, self._endings)
         self.placement = PlacementLink(config, self.messenger, self._peers, self._history)
-        self._step = 0  # counts engine steps
-        self._step_sends: list[Transfer] = []
-        self._step_layers: set[int] = set()  # layers the current step computed so far
-        self._next_liveness = 0.0
 
     # ---- inputs ----------------------------------------------------------------------------
 
@@ -102,18 +94,16 @@ class TransferEngine:
         self._inbox.put((sender, message, time.monotonic()))
 
     def begin_step(self) -> None:
-        self._step_sends = []
-        self._step += 1
-        self._step_layers = set()
+        self._step.begin()
 
     def add_send(self, spec: SendSpec) -> None:
         self._split(spec)  # opens a send per rank pair (_open_send)
 
     def _split(self, spec: SendSpec | RecvSpec) -> None:
-        if self.fanout.in_use(spec.transfer_id):
+        if self._fanout.in_use(spec.transfer_id):
             self.reject(spec, f"transfer_id {spec.transfer_id!r} is already in use")
         else:
-            self._open(self.fanout.add(spec, self._step))
+            self._open(self._fanout.add(spec, self._step.number))
 
     def _open(self, openings: list[Opening]) -> None:
         for o in openings:
@@ -125,15 +115,12 @@ class TransferEngine:
     def _open_send(self, o: Opening) -> None:
         spec = o.spec
         t = Transfer(o.transfer_id, spec.request_id, Side.SEND, TransferMode.WRITE, o.peer, spec.block_ids,
-                     o.arrived + self.config.defer_timeout, prompt_hash=spec.prompt_hash, slicing=o.slicing,
-                     group=o.group)
-        this_step = o.step == self._step
-        t.copies.layers_ready |= self._step_layers if this_step else set(range(self.num_layers))
+                     o.deadline, prompt_hash=spec.prompt_hash, slicing=o.slicing, group=o.group)
+        t.copies.layers_ready |= self._step.layers_ready(o.step)
         if self._admit(t) and not t.state.is_terminal:
-            if this_step:
-                self._step_sends.append(t)
-            self.binding.prepare(t)
-            self._write_send.try_write(t)
+            self._step.add(t, o.step)
+            self._binding.prepare(t)
+            self._step.write(t)
 
     def add_hold(self, spec: HoldSpec) -> None:
         deadline = time.monotonic() + max(0.0, spec.expires_at - time.time())
@@ -147,7 +134,7 @@ class TransferEngine:
     def _split_hold(self, name: str) -> Transfer | None:
         """P READ: hold a whole prompt's blocks as one sub-transfer per D rank that reads (or
         releases) them, once a D rank named one (`name`, returned if it is ours)."""
-        split = self.fanout.split_hold(name)
+        split = self._fanout.split_hold(name)
         if split is None:
             return None
         parent, subs = split
@@ -175,10 +162,10 @@ class TransferEngine:
     def _open_recv(self, o: Opening) -> None:
         spec = o.spec
         t = Transfer(o.transfer_id, spec.request_id, Side.RECV, spec.mode, o.peer, spec.block_ids,
-                     o.arrived + self.config.transfer_timeout, spec.remote_block_ids, spec.first_block,
+                     o.deadline, spec.remote_block_ids, spec.first_block,
                      prompt_hash=spec.prompt_hash, slicing=o.slicing, group=o.group)
         if self._admit(t) and not t.state.is_terminal:
-            self.binding.bind(t)
+            self._binding.bind(t)
 
     def cancel(self, spec: CancelSpec) -> None:
         """The scheduler decided this transfer will not happen (or must stop: a preempted
@@ -187,8 +174,8 @@ class TransferEngine:
         if t is not None:
             self._endings.stop(t, spec.reason, tell_peer=True)
             return
-        if not self.fanout.cancel(spec) and self._history.fence(spec):
-            self.fanout.tell_every_rank(spec.peer, self._history.letting_go(spec))
+        if not self._fanout.cancel(spec) and self._history.fence(spec):
+            self._fanout.tell_every_rank(spec.peer, self._history.letting_go(spec))
 
     def await_decision(self, spec: AwaitSpec) -> None:
         """P, adaptive placement: the prefill transfer of `spec` waits for D's word (placement_link.py)."""
@@ -196,14 +183,10 @@ class TransferEngine:
 
     def layer_ready(self, layer_index: int) -> None:
         """P WRITE: the forward pass has just computed `layer_index` for this step's sends."""
-        self._step_layers.add(layer_index)
-        for t in self._step_sends:
-            if not t.state.is_terminal:
-                t.copies.layers_ready.add(layer_index)
-                self._write_send.try_write(t)
+        self._step.layer_ready(layer_index)
 
     def all_layers_ready(self) -> None:
-        for index in range(self.num_layers):
+        for index in range(self._step.num_layers):
             self.layer_ready(index)
 
     def stage_succeeded(self, transfer_id: str) -> None:
@@ -232,18 +215,16 @@ class TransferEngine:
             except queue.Empty:
                 break
         now = time.monotonic()
-        if now >= self._next_liveness:
-            self._next_liveness = now + LIVENESS_EVERY_S
-            self.binding.check_peers()
+        self._binding.check_peers(now)
         for t in list(self._transfers.values()):
             self._check_copies(t)
             if not t.state.is_terminal and now > t.deadline:
                 self._expire(t)
         self._history.expire_early(now)
-        self._open(self.fanout.expire(now))
+        self._open(self._fanout.expire(now))
 
     def take_finished(self, finished_req_ids: set[str]) -> Finished:
-        sending = {t.request_id for t in self._transfers.values() if t.side is Side.SEND} | self.fanout.parked_sends()
+        sending = {t.request_id for t in self._transfers.values() if t.side is Side.SEND} | self._fanout.parked_sends()
         return self._completions.take(finished_req_ids, sending)
 
     def transfer(self, transfer_id: str) -> Transfer | None:
@@ -259,18 +240,6 @@ class TransferEngine:
     @property
     def num_peers(self) -> int:
         return len(self._peers)
-
-    @property
-    def layout(self) -> KvLayout:
-        return self._layout
-
-    @property
-    def transport(self) -> Transport:
-        return self._transport
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._layout.layers)
 
     def close(self) -> None:
         self._peers.close()
@@ -297,8 +266,8 @@ class TransferEngine:
         if isinstance(event, HandshakeResult):
             peer = self._peers.apply(event)
             if peer is not None:
-                self.binding.on_peer(peer)
-                self._open(self.fanout.on_peer(peer))
+                self._binding.on_peer(peer)
+                self._open(self._fanout.on_peer(peer))
             return
         sender, message, received = event
         if isinstance(message, PLACEMENT_MESSAGES):
@@ -309,7 +278,7 @@ class TransferEngine:
         if t is not None:
             self._kinds.deliver(t, sender, message, received)
             return
-        if self.fanout.let_go_of_group(tid, message):
+        if self._fanout.let_go_of_group(tid, message):
             return
         self.placement.on_unknown(tid, message)
         self._history.on_message(tid, sender, message, received)

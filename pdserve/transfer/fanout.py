@@ -51,8 +51,8 @@ class Opening(NamedTuple):
     peer: PeerAddress
     slicing: Slicing | None
     group: str  # the transfer's own id
-    step: int
-    arrived: float
+    step: int  # the engine step `spec` was added in
+    deadline: float  # monotonic
 
 
 class Fanout:
@@ -119,12 +119,13 @@ class Fanout:
         pairs = pairs_for(self.ranks, peer_size, local_is_prefill=sending)
         self._groups.open(spec.transfer_id, spec.request_id, Side.SEND if sending else Side.RECV, len(pairs))
         peer_heads = Ranks(0, peer_size, self.ranks.total_heads).local_heads
+        timeout = self._config.defer_timeout if sending else self._config.transfer_timeout
         openings = []
         for pair in pairs:
             tid = sub_id(spec.transfer_id, pair.prefill, prefill_size, pair.decode, decode_size)
             address = rank_address(spec.peer, pair.decode if sending else pair.prefill)
             slicing = None if pair.heads is None else Slicing(pair.heads, self.ranks.local_heads, peer_heads)
-            openings.append(Opening(spec, tid, address, slicing, spec.transfer_id, step, arrived))
+            openings.append(Opening(spec, tid, address, slicing, spec.transfer_id, step, arrived + timeout))
         if not sending and spec.mode is TransferMode.READ:
             self._cover(spec, peer_size)  # other P ranks than the ones opened here: the order does not matter
         if not pairs:

@@ -28,9 +28,8 @@ import numpy as np
 
 from pdserve.errors import TransferError
 from pdserve.transfer.device_layout import BlockRuns
-from pdserve.transfer.layout import KvLayout, LayerPlacement
+from pdserve.transfer.layout import NULL_BLOCK, KvLayout, LayerPlacement
 from pdserve.transfer.ranks import Slicing
-from pdserve.transfer.record import NULL_BLOCK
 from pdserve.transport.base import RegionDescriptor
 
 DIGEST_BYTES = 4  # per block position

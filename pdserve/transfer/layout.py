@@ -4,7 +4,7 @@ vLLM's CPU backend keeps one tensor per attention layer, `[num_blocks, num_kv_he
 block_size, 2*head_size]`, block-contiguous, and packs the bytes of each head inside a block
 ISA-specifically (AMX tiles), so blocks (or, between ranks of different tensor-parallel sizes,
 each block's range of shared heads) move as opaque bytes and both sides must agree on dtype, block
-size, per-head layout and ISA. That agreement is the fingerprint, checked in the handshake.
+size, per-head layout and ISA. That agreement is the fingerprint, checked in the handshake (the worker's handshake.py).
 
 KV on a GPU (device_layout.py) is placed the same way when each block is one range of bytes, and
 as a `BlockRuns` (several runs per block, `block_stride` apart) otherwise; only the latter has
@@ -17,11 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdserve.errors import IncompatiblePeerError, ProtocolError
+from pdserve.errors import ProtocolError
 from pdserve.transfer.device_layout import MAX_RUNS, BlockRuns
 from pdserve.transfer.ranks import Slicing
 from pdserve.transport.base import CopyOp, RegionOps, merge_contiguous
 
+NULL_BLOCK = 0  # vLLM's null block: where a sliding-window group holds no block
 MAX_LAYERS = 4096
 MAX_REGION_ID = (1 << 16) - 1
 MAX_OFFSET = 1 << 48  # bytes: far beyond any KV cache, far below int64 overflow
@@ -275,30 +276,3 @@ def _runs_ops(index: int, mine: Placement, theirs: Placement, group: Sequence[tu
         return sliced_mine.copy_ops(sliced_theirs, group)
     except ProtocolError as e:
         raise ProtocolError(f"layer {index}: {e}") from None
-
-
-NOT_COMPARED = ("tp",)  # differs between peers by design: the pairing is derived from it (ranks.py)
-# named first when they differ: the cause, where other fields differ only because of it (a state
-# split between other numbers of ranks has other shapes)
-NAMED_FIRST = ("state_tensor_parallel_size",)
-
-
-def check_compatible(local: dict, remote: dict, peer: str) -> None:
-    """Raise IncompatiblePeerError naming every differing fingerprint field."""
-    keys = sorted((set(local) | set(remote)) - set(NOT_COMPARED), key=lambda k: (k not in NAMED_FIRST, k))
-    diffs = [f"{k}: ours {local.get(k)!r}, theirs {remote.get(k)!r}" for k in keys if local.get(k) != remote.get(k)]
-    if diffs:
-        raise IncompatiblePeerError(f"peer {peer} has an incompatible KV cache ({'; '.join(diffs)})")
-
-
-def cpu_isa() -> str:
-    """The CPU ISA that decides how vLLM's CPU attention packs KV blocks."""
-    import torch
-
-    isa = torch.backends.cpu.get_cpu_capability()
-    try:
-        if torch._C._cpu._is_amx_tile_supported():
-            isa += "+AMX"
-    except AttributeError:
-        pass
-    return isa

@@ -32,6 +32,7 @@ from pdserve.config import TransferMode
 from pdserve.control.address import PeerAddress
 from pdserve.errors import PDServeError
 from pdserve.transfer.incarnation import Incarnation
+from pdserve.transfer.layout import NULL_BLOCK
 from pdserve.transfer.ranks import Slicing
 from pdserve.transport.base import TransferStatus
 
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     from pdserve.transfer.kv_digest import BlockDigests
 
 RELEASED_BY_DECODE = "decode released the transfer"  # D gave up on it, or prefills the prompt itself
-NULL_BLOCK = 0  # vLLM's null block: where a sliding-window group holds no block
 
 
 class Side(Enum):
@@ -104,7 +104,7 @@ class Copies:
 
 @dataclass
 class WriteWindow:
-    """D WRITE: the write window granted to P by the announcement (see transfers/write_recv.py)."""
+    """D WRITE: the write window granted to P by the announcement (see kinds/write_recv.py)."""
 
     announced_at: float  # monotonic time the announcement was queued
     write_for: float  # seconds P may write our blocks
@@ -131,7 +131,7 @@ class Transfer:
     copies: Copies = field(default_factory=Copies)
     window: WriteWindow | None = None  # D WRITE, once announced
     slicing: Slicing | None = None  # the heads this rank pair shares, when the ranks hold different ones
-    group: str = ""  # the transfer this is a rank pair's sub-transfer of (transfers/fanout.py)
+    group: str = ""  # the transfer this is a rank pair's sub-transfer of (fanout.py)
     digests: BlockDigests | None = None  # P WRITE with kv_verify: the layers hashed as submitted (kv_digest.py)
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None

@@ -18,7 +18,7 @@ import re
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.errors import PDServeError
 from pdserve.transfer.device_layout import HEAD, VLLM_VIEW_ROLES, BlockRuns, KvTensorLayout
-from pdserve.transfer.layout import KvLayout, LayerPlacement, Placement, cpu_isa
+from pdserve.transfer.layout import KvLayout, LayerPlacement, Placement
 from pdserve.transport.base import Transport
 from pdserve.transport.device_transport import register_device_tensors
 from pdserve.transport.shm_tensor import move_tensors_to_shared_memory
@@ -152,6 +152,19 @@ def _placement(tensor_layout: KvTensorLayout) -> Placement:
 def device_name(tensor) -> str:
     """What decides how the device packs a KV block: the GPU's name; for CPU tensors standing in
     for a device (tests, gpu_check --device cpu) the CPU's ISA."""
-    import torch
+    import torch  # lazy: heavy, and only a registering worker needs it
 
     return torch.cuda.get_device_name(tensor.device) if tensor.is_cuda else cpu_isa()
+
+
+def cpu_isa() -> str:
+    """The CPU ISA that decides how vLLM's CPU attention packs KV blocks."""
+    import torch  # lazy: heavy, and only a registering worker needs it
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    try:
+        if torch._C._cpu._is_amx_tile_supported():
+            isa += "+AMX"
+    except AttributeError:
+        pass
+    return isa

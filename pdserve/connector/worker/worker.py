@@ -1,10 +1,10 @@
 """The worker half of PDConnector: owns the KV memory, the control-plane servers and the transport.
 
 It runs in vLLM's worker process. At `register_kv_caches` it builds the transport for where the
-KV cache is (host memory: moved into shared memory in place; a GPU: device_transport.py, the
-device known only then) and starts two control-plane servers (handshake, notify) bound to the
-configured host. Each step it hands the scheduler's decisions and the forward pass's progress to
-the `TransferEngine`, and reports finished transfers back.
+KV cache is (kv_transport.py) and starts two control-plane servers (handshake, notify) bound to
+the configured host; the handshake, both ways, is handshake.py's. Each step it hands the
+scheduler's decisions and the forward pass's progress to the `TransferEngine`, and reports
+finished transfers back.
 """
 
 from __future__ import annotations
@@ -22,41 +22,23 @@ from pdserve.connector.guard import guarded
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
 from pdserve.connector.metadata import StageSpec, StepPlan
 from pdserve.connector.worker.decode_serving import DecodeServing
+from pdserve.connector.worker.handshake import Handshake
 from pdserve.connector.worker.idle_pump import IdlePump
 from pdserve.connector.worker.kv_memory import KvMemory
+from pdserve.connector.worker.kv_transport import KvTransport, kv_device_backend
 from pdserve.connector.worker.worker_stats import WorkerStats
 from pdserve.control.address import PeerAddress
 from pdserve.control.codec import Codec, Envelope
 from pdserve.control.endpoint import Client, Server
-from pdserve.control.messages import (
-    HandshakeRefused,
-    HandshakeReply,
-    HandshakeRequest,
-    Ping,
-    Pong,
-    ReadAck,
-    ReadDone,
-    Release,
-    RemoteBlocks,
-    WriteDone,
-)
+from pdserve.control.messages import HandshakeRequest, Ping, Pong, ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
 from pdserve.control.secret import load_secret
-from pdserve.errors import IncompatiblePeerError, PDServeError, ProtocolError
+from pdserve.errors import PDServeError
 from pdserve.placement.messages import DecodeStatus, PrefillLoad
 from pdserve.rigs import attach_rig
 from pdserve.transfer.engine import Finished, TransferEngine
-from pdserve.transfer.incarnation import Incarnation
-from pdserve.transfer.layout import KvLayout, check_compatible
-from pdserve.transfer.peers import HandshakeResult
 from pdserve.transfer.ranks import SINGLE, Ranks
-from pdserve.transport.base import RegionDescriptor, TransferStatus, Transport
-from pdserve.transport.device import MemoryDevice
+from pdserve.transport.base import TransferStatus, Transport
 from pdserve.transport.device_backend import DeviceBackend
-from pdserve.transport.device_transport import backend_for, build_device_transport
-from pdserve.transport.nixl_auto import PeerRoute, build_transport
-from pdserve.transport.nixl_host import HostClaim, HostProof, verify
-from pdserve.transport.shared_segment import sweep_stale_segments
-from pdserve.transport.shm import ShmTransport
 
 logger = logging.getLogger("pdserve.connector")
 
@@ -75,63 +57,45 @@ class StepFlags:
     stages: list[StageSpec] = field(default_factory=list)  # host staging: blocks to stage once computed
 
 
-def kv_device_backend(tensor, token: str) -> DeviceBackend | None:
-    """The backend driving the GPU a KV tensor is on; None for KV in host memory."""
-    if tensor.device.type != "cuda":
-        return None
-    import torch
-
-    return backend_for(MemoryDevice.of_tensor(tensor), token, torch.cuda.current_stream(tensor.device))
-
-
 class PDWorker:
     def __init__(self, config: ConnectorConfig, model_fingerprint: dict, groups: KvGroups = ONE_GROUP,
                  device_backend: Callable[[object, str], DeviceBackend | None] = kv_device_backend):
         """`device_backend(tensor, token)`: the device backend for KV like `tensor`, None for host
         KV (tests stand CPU tensors in for a GPU's with CpuStandIn)."""
         self._ranks = Ranks.from_wire(model_fingerprint.get("tp", SINGLE.to_wire()))
-        self._heads_known = "tp" in model_fingerprint
         # rank r of an instance listens on its configured ports + r (ranks.py: rank_address)
         config = replace(config, handshake_port=config.handshake_port + self._ranks.rank,
                          notify_port=config.notify_port + self._ranks.rank)
         self._config = config
         token = secrets.token_hex(4)
-        self._token = token
-        self.identity = f"{config.engine_id}/{os.getpid()}-{token}"
-        self.incarnation = Incarnation.this_process(self.identity)
         self._rig = attach_rig(config)  # a test rig's hooks (pdserve/rigs.py); Rig() changes nothing
-        self._device_backend = device_backend
-        self._backend: DeviceBackend | None = None  # KV on a GPU: what drives it
-        self._transport: Transport | None = None  # built at register_kv_caches
-        self._host_proof = HostProof(token)
-        self._client = Client(Codec(load_secret(config.secret_file), self.identity))
-        self._servers: list[Server] = []
+        local_heads = self._ranks.local_heads if "tp" in model_fingerprint else None
+        self._kv_transport = KvTransport(device_backend, token, local_heads)  # built at register_kv_caches
         self._kv = KvMemory(model_fingerprint, token, groups)
+        self._stats = WorkerStats(config)
+        identity = f"{config.engine_id}/{os.getpid()}-{token}"
+        self._client = Client(Codec(load_secret(config.secret_file), identity))
+        self._handshake = Handshake(config, identity, token, self._ranks, self._kv, self._client, self._stats)
+        self._servers: list[Server] = []
         self._engine: TransferEngine | None = None
         self._engine_lock = threading.Lock()  # the step's hooks and the idle pump take turns with the engine
         self._idle_pump: IdlePump | None = None
         self._step = StepFlags()
-        self._stats = WorkerStats(config)
         self._decode_serving = DecodeServing.for_config(config)
+
+    @property
+    def identity(self) -> str:
+        return self._handshake.identity
+
+    @property
+    def _transport(self) -> Transport | None:
+        return self._kv_transport.transport
 
     # ---- startup ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        removed = sweep_stale_segments()
-        if removed:
-            logger.info("pdserve: removed %d shared-memory segments left by dead instances", len(removed))
-        local_heads = self._ranks.local_heads if self._heads_known else None
-        self._backend = self._device_backend(next(iter(kv_caches.values())), self._token)
-        if self._backend is None:
-            self._transport = build_transport(self._config.transport, self._rig.wrap_transport(ShmTransport()),
-                                              self.identity, self._config.transfer_timeout, self._rig.wrap_transport)
-            self._kv.register(kv_caches, self._transport, local_heads)
-        else:
-            self._transport = build_device_transport(
-                self._config.transport, self._config.kv_buffer_device, self._backend, self.identity,
-                self._config.transfer_timeout, self._token, self._rig.wrap_transport)
-            self._kv.register_device(kv_caches, self._transport, local_heads)
-        self._engine = TransferEngine(self._config, self._kv.layout, self._transport, self, self._handshake,
+        transport = self._kv_transport.build(kv_caches, self._kv, self._config, self.identity, self._rig)
+        self._engine = TransferEngine(self._config, self._kv.layout, transport, self, self._handshake.meet,
                                       self._ranks)
         self._idle_pump = IdlePump(self._engine.pump, self._engine_lock)
         self._idle_pump.start()
@@ -143,11 +107,10 @@ class PDWorker:
             Server(host, self._config.notify_port, codec, self._serve, "pdserve-notify"),
         ]
         layers = self._kv.layout.layers
-        where = "in shared memory" if self._backend is None else f"on {self._backend.device} ({type(self._transport).__name__})"
         logger.info(
             "pdserve: %s %s (rank %d of %d) ready: %d layers, %d blocks of %d bytes per layer %s, "
             "fingerprint %s", self._config.role.name, self.identity, self._ranks.rank, self._ranks.size, len(layers),
-            layers[0].num_blocks, layers[0].block_bytes, where, self._kv.fingerprint,
+            layers[0].num_blocks, layers[0].block_bytes, self._kv_transport.where(), self._kv.fingerprint,
         )
 
     # ---- control plane (server threads) ----------------------------------------------------
@@ -155,18 +118,7 @@ class PDWorker:
     def _serve(self, envelope: Envelope):
         message = envelope.message
         if isinstance(message, HandshakeRequest):
-            try:
-                check_compatible(self._kv.fingerprint, message.fingerprint, envelope.sender)
-            except IncompatiblePeerError as exc:
-                logger.error("pdserve: refusing handshake: %s", exc)
-                return HandshakeRefused(str(exc))
-            peer_here = verify(HostClaim(message.host_proof, message.host_proof_digest)) is None
-            return HandshakeReply(
-                self.identity, self._kv.fingerprint,
-                [d.to_wire() for d in self._transport.local_descriptors()], self._kv.layout.to_wire(),
-                self.incarnation.pid, self.incarnation.start_time, self.incarnation.boot_id,
-                self._transport.local_endpoint(peer_here), *self._host_proof.claim,
-            )
+            return self._handshake.answer(message, envelope.sender, self._transport)
         if isinstance(message, Ping):
             return Pong()
         if isinstance(message, TRANSFER_MESSAGES):
@@ -177,45 +129,6 @@ class PDWorker:
         else:
             logger.warning("pdserve: ignoring a %s sent to a server port by %s", type(message).__name__, envelope.sender)
         return None
-
-    def _handshake(self, address: PeerAddress) -> HandshakeResult:
-        where = f"{address.host}:{address.handshake_port}"
-        answered_by = ""  # the incarnation that answered, when it did: it stays reachable for a Release
-        try:
-            started = time.monotonic()
-            envelope = self._client.exchange(
-                address.host, address.handshake_port, HandshakeRequest(self.identity, self._kv.fingerprint, *self._host_proof.claim),
-                self._config.handshake_timeout,
-            )
-            self._stats.on_handshake(time.monotonic() - started)  # answered, accepted or not
-            reply, answered_by = envelope.message, envelope.sender
-            if isinstance(reply, HandshakeRefused):
-                raise IncompatiblePeerError(f"peer {where} refused the handshake: {reply.reason}")
-            if not isinstance(reply, HandshakeReply):
-                raise ProtocolError(f"peer {where} answered the handshake with {type(reply).__name__}")
-            check_compatible(self._kv.fingerprint, reply.fingerprint, where)
-            regions = tuple(RegionDescriptor.from_wire(r) for r in reply.regions)
-            layout = KvLayout.from_wire(reply.layers, region_sizes={d.region_id: d.size for d in regions})
-            if len(layout.layers) != len(self._kv.layout.layers):
-                raise IncompatiblePeerError(f"peer {where} has {len(layout.layers)} KV layers, we have {len(self._kv.layout.layers)}")
-            ranks = Ranks.from_wire(reply.fingerprint.get("tp", SINGLE.to_wire()))
-            if ranks.total_heads != self._ranks.total_heads:
-                raise IncompatiblePeerError(f"peer {where} counts {ranks.total_heads} KV heads, we count "
-                                            f"{self._ranks.total_heads}")
-            if ranks.size != self._ranks.size and not self._kv.head_major:
-                raise IncompatiblePeerError(f"peer {where} runs tensor-parallel size {ranks.size}, we run "
-                                            f"{self._ranks.size}, and our KV blocks are not head-major "
-                                            f"({self._kv.fingerprint.get('kv_block_format')}): a head range of a "
-                                            "block is not one range of bytes")
-        except IncompatiblePeerError as exc:
-            return HandshakeResult(address, error=str(exc), refused_by=answered_by)
-        except PDServeError as exc:
-            return HandshakeResult(address, error=str(exc))
-        not_here = verify(HostClaim(reply.host_proof, reply.host_proof_digest))
-        route = PeerRoute(not_here is None, reply.nixl_metadata, not_here or "")
-        # pid and boot id prove a death only to a peer that shares our host (and PID namespace)
-        incarnation = Incarnation(reply.engine_id, reply.pid, reply.start_time, reply.boot_id if route.same_host else "")
-        return HandshakeResult(address, incarnation, regions, layout, route=route, ranks=ranks)
 
     def notify(self, address: PeerAddress, message, recipient: str) -> bool:
         def send(msg) -> bool:
@@ -341,9 +254,6 @@ class PDWorker:
         self._client.close()  # first: it ends the handshakes in flight, which the engine's close joins
         if self._engine is not None:
             self._engine.close()
-        if self._transport is not None:
-            self._transport.close()
-        if self._backend is not None:
-            self._backend.close()
-        self._host_proof.close()
+        self._kv_transport.close()
+        self._handshake.close()
         self._kv.close()

@@ -14,7 +14,7 @@ import time
 from pdserve.control.messages import Release, RemoteBlocks, WriteDone
 from pdserve.transfer.incarnation import boot_id, process_start_time
 from tests.unit.connector.harness import Pair
-from tests.unit.connector.transfers import WRITE, send, write_recv
+from tests.unit.transfer.transfers import WRITE, send, write_recv
 
 SKEW_S = 20.0
 SHORT = {"transfer_timeout": 0.3, "release_grace": 0.1}

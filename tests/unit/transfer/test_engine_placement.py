@@ -12,7 +12,7 @@ from pdserve.placement.policy import DecodeView
 from pdserve.placement.status_view import status_of
 from pdserve.transfer.specs import AwaitSpec, CancelSpec
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, Pair
-from tests.unit.connector.test_engine_write import recv_spec
+from tests.unit.transfer.test_engine_write import recv_spec
 
 WRITE = TransferMode.WRITE
 

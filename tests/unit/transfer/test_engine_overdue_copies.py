@@ -11,7 +11,7 @@ from pdserve.config import TransferMode
 from pdserve.control.messages import Release, WriteDone
 from pdserve.transfer.specs import HoldSpec, RecvSpec, SendSpec
 from tests.unit.connector.harness import D_ADDRESS, NUM_LAYERS, P_ADDRESS, PROMPT_HASH, Pair
-from tests.unit.connector.nixl_fakes import SlowNixl
+from tests.unit.transfer.nixl_fakes import SlowNixl
 
 WINDOW_S = 0.3  # D's transfer_timeout: the copies' deadline
 OVERDUE_S = 0.5  # how long past it the copies run

@@ -96,7 +96,7 @@ class Table:
     def __init__(self, d: PDWorker):
         self.results: queue.SimpleQueue[HandshakeResult] = queue.SimpleQueue()
         self.transport = RecordingTransport()
-        self.peers = PeerTable(self.transport, d._handshake, self.results.put, PeerAllowList(("127.0.0.0/8",)), 300.0)
+        self.peers = PeerTable(self.transport, d._handshake.meet, self.results.put, PeerAllowList(("127.0.0.0/8",)), 300.0)
 
     def apply_until(self, condition, timeout_s: float) -> float:
         """Apply results until `condition()`; returns the seconds it took, fails at the deadline."""

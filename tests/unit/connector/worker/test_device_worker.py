@@ -269,7 +269,7 @@ def test_peers_with_other_block_formats_are_refused_naming_the_format(start):
     p = start("kv_producer", TransferMode.WRITE, order=(0, 2, 1, 3), transport="gpu-ipc", kv_buffer_device="cuda")
     d = start("kv_consumer", TransferMode.WRITE, transport="gpu-ipc", kv_buffer_device="cuda")
     assert p.worker._kv.fingerprint["kv_block_format"] != d.worker._kv.fingerprint["kv_block_format"]
-    result = d.worker._handshake(p.address)
+    result = d.worker._handshake.meet(p.address)
     assert result.error and "kv_block_format" in result.error, result.error
     assert "block:token4:head:content8:2B" in result.error and "block:head:token4:content8:2B" in result.error
 
@@ -277,7 +277,7 @@ def test_peers_with_other_block_formats_are_refused_naming_the_format(start):
 def test_device_kv_and_host_kv_peers_are_refused(start):
     p = start("kv_producer", TransferMode.WRITE, device=False)
     d = start("kv_consumer", TransferMode.WRITE, transport="auto", kv_buffer_device="cuda")
-    result = d.worker._handshake(p.address)
+    result = d.worker._handshake.meet(p.address)
     assert result.error and "kv_block_format" in result.error and "cpu_isa" in result.error
 
 

@@ -1,4 +1,4 @@
-"""Which P rank moves which KV heads to which D rank (connector/ranks.py)."""
+"""Which P rank moves which KV heads to which D rank (transfer/ranks.py)."""
 
 from __future__ import annotations
 

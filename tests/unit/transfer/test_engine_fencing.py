@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pdserve.control.messages import ReadAck, ReadDone, Release, WriteDone
 from tests.unit.connector.harness import D_IDENTITY, P_IDENTITY, Pair
-from tests.unit.connector.transfers import (
+from tests.unit.transfer.transfers import (
     D_BLOCKS,
     P_BLOCKS,
     READ,

@@ -14,8 +14,8 @@ import pytest
 from pdserve.config import TransferMode
 from pdserve.control.messages import ReadDone, WriteDone
 from tests.unit.connector.harness import Instance, Pair
-from tests.unit.connector.nixl_fakes import SlowNixl
-from tests.unit.connector.transfers import D_BLOCKS, P_BLOCKS, hold, read_recv, send, write_recv
+from tests.unit.transfer.nixl_fakes import SlowNixl
+from tests.unit.transfer.transfers import D_BLOCKS, P_BLOCKS, hold, read_recv, send, write_recv
 
 WRITE, READ = TransferMode.WRITE, TransferMode.READ
 KINDS = ("bit_flip", "torn", "other_request", "earlier_incarnation", "stale")

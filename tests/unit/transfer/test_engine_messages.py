@@ -8,7 +8,7 @@ import time
 from pdserve.control.messages import ReadAck, ReadDone, Release, RemoteBlocks, WriteDone
 from pdserve.transfer.specs import CancelSpec
 from tests.unit.connector.harness import D_ADDRESS, D_IDENTITY, P_IDENTITY, Pair
-from tests.unit.connector.transfers import (
+from tests.unit.transfer.transfers import (
     D_BLOCKS,
     P_BLOCKS,
     READ,

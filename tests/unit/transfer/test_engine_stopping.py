@@ -11,7 +11,7 @@ import time
 from pdserve.control.messages import ReadDone, Release, RemoteBlocks, WriteDone
 from pdserve.transfer.specs import CancelSpec
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, Pair
-from tests.unit.connector.transfers import D_BLOCKS, P_BLOCKS, READ, WRITE, moved, read_recv, send, write_recv
+from tests.unit.transfer.transfers import D_BLOCKS, P_BLOCKS, READ, WRITE, moved, read_recv, send, write_recv
 
 
 class CopyLog:

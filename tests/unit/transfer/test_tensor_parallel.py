@@ -1,5 +1,5 @@
 """Transfers between P and D instances of different tensor-parallel sizes: every rank runs its own
-TransferEngine and moves only the heads its rank pairs share (ranks.py, transfers/fanout.py)."""
+TransferEngine and moves only the heads its rank pairs share (ranks.py, fanout.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.control.messages import ReadDone, Release, RemoteBlocks
 from pdserve.transfer.specs import CancelSpec
-from tests.unit.connector.tp_harness import D_BASE, P_BASE, READ, WRITE, Cluster
+from tests.unit.transfer.tp_harness import D_BASE, P_BASE, READ, WRITE, Cluster
 
 MODES = [WRITE, READ]
 # (P TP size, D TP size, model KV heads)

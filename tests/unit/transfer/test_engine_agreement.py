@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.control.messages import ReadAck, Release, WriteDone
 from tests.unit.connector.harness import OTHER_PROMPT_HASH, P_IDENTITY, PROMPT_HASH, Pair
-from tests.unit.connector.transfers import (
+from tests.unit.transfer.transfers import (
     D_BLOCKS,
     P_BLOCKS,
     READ,

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from tests.unit.connector.harness import D_IDENTITY, P_ADDRESS, Pair
-from tests.unit.connector.transfers import READ, WRITE, hold, read_done, read_recv, remote_blocks, send, write_recv
+from tests.unit.transfer.transfers import READ, WRITE, hold, read_done, read_recv, remote_blocks, send, write_recv
 
 ELSEWHERE = {"allowed_peers": ["10.0.0.0/8"]}  # the harness's peers all live on 127.0.0.1
 

@@ -52,7 +52,7 @@ def workers(tmp_path):
 def test_an_answered_handshake_is_timed_and_reported_once(workers):
     p, p_address, d = workers
     assert d.take_stats() is None, "nothing happened yet"
-    result = d._handshake(p_address)
+    result = d._handshake.meet(p_address)
     assert not result.error and result.incarnation.identity == p.identity
     data = d.take_stats()
     assert data is not None and set(data) == set(PDConnectorStats().data), "a key vLLM's aggregation would drop"
@@ -64,6 +64,6 @@ def test_an_answered_handshake_is_timed_and_reported_once(workers):
 
 def test_an_unanswered_handshake_is_not_timed(workers):
     _, _, d = workers
-    result = d._handshake(PeerAddress("127.0.0.1", free_port(), free_port()))
+    result = d._handshake.meet(PeerAddress("127.0.0.1", free_port(), free_port()))
     assert result.error
     assert d.take_stats() is None

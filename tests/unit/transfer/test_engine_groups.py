@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.config import TransferMode
 from tests.unit.connector.harness import BLOCK_BYTES, STATE_BYTES, Pair
-from tests.unit.connector.transfers import hold, read_done, read_recv, send, write_recv
+from tests.unit.transfer.transfers import hold, read_done, read_recv, send, write_recv
 
 # one prompt of 3 blocks: group 0 (layer 0) its attention blocks, group 1 (layer 1) null, null, state
 P_BLOCKS = (1, 2, 3, 0, 0, 5)
