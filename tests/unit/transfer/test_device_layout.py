@@ -76,7 +76,7 @@ def _merged(ranges):
 
 @pytest.mark.parametrize("module, name", BACKENDS)
 def test_blocks_and_heads_of_vllm_backends_match_the_bytes_vllm_writes(module, name):
-    from vllm.v1.kv_cache_interface import (
+    from vllm.v1.kv_cache_interface import (  # lazy: heavy, only this test needs vLLM's views
         FullAttentionSpec,
         KVCacheLayout,
         KVCacheTensor,

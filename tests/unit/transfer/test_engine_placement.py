@@ -91,23 +91,3 @@ def test_read_d_status_reaches_p_rate_limited():
         assert got == {(D_ADDRESS.host, D_ADDRESS.handshake_port): status}
         assert len([s for s in pair.d.notifier.sent if isinstance(s.message, DecodeStatus)]) == 1
         assert pair.d.engine.placement.take_news() is None  # a status is P's news, not D's
-
-
-def test_the_worker_hands_the_engine_every_message_but_the_handshake_ping_and_registration():
-    """A message type the worker's server does not pass on is dropped with a warning in a real
-    deployment, whatever the engine would do with it (the engine tests above bypass the server).
-    A Registration is for the router's registrar, never for a worker; a ClockSkew notice for the
-    socket that sent a refused frame."""
-    from pdserve.connector.worker.worker import TRANSFER_MESSAGES
-    from pdserve.control.messages import (
-        MESSAGE_TYPES,
-        ClockSkew,
-        HandshakeRefused,
-        HandshakeReply,
-        HandshakeRequest,
-        Ping,
-        Pong,
-    )
-    from pdserve.control.registration import Registration
-    conversation = {HandshakeRequest, HandshakeReply, HandshakeRefused, Ping, Pong, Registration, ClockSkew}
-    assert set(TRANSFER_MESSAGES) == set(MESSAGE_TYPES.values()) - conversation

@@ -16,6 +16,8 @@ from pdserve.config import TransferMode, parse_connector_config
 from pdserve.connector.metadata import StageSpec, StepPlan
 from pdserve.connector.worker.worker import PDWorker
 from pdserve.control.address import PeerAddress
+from pdserve.faults.rig import RIG_NAME, register
+from pdserve.rigs import unregister_rig
 from pdserve.transfer.layout import KvLayout, LayerPlacement
 from pdserve.transfer.specs import HoldSpec, RecvSpec, SendSpec
 from pdserve.transport.base import Direction, TransferHandle, TransferStatus
@@ -284,8 +286,6 @@ def test_device_kv_and_host_kv_peers_are_refused(start):
 @pytest.fixture
 def corrupt_plan(tmp_path):
     """A fault plan corrupting every copy as it lands, read by workers started with it (the fault rig)."""
-    from pdserve.faults.rig import RIG_NAME, register
-    from pdserve.rigs import unregister_rig
 
     plan = tmp_path / "faults.json"
     plan.write_text('{"rules": [{"action": "corrupt_copy"}]}')
