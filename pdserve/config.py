@@ -22,7 +22,7 @@ SECRET_FILE_ENV = "PDSERVE_SECRET_FILE"
 FAULT_PLAN_ENV = "PDSERVE_FAULT_PLAN"  # test-only: path of a fault plan (pdserve/faults)
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 TRANSPORTS = ("auto", "shm", "nixl", "gpu-ipc")  # auto: shm (gpu-ipc for KV on a GPU) for a peer proven on this host, NIXL otherwise
-KV_VERIFY = ("digest", "off")  # digest: D checks a per-block CRC-32 of what P sent (connector/kv_digest.py)
+KV_VERIFY = ("digest", "off")  # digest: D checks a per-block CRC-32 of what P sent (transfer/kv_digest.py)
 KV_BUFFER_DEVICES = ("cpu", "cuda")  # where KV moves from: host memory, or the GPU it lives on
 _HOST_NAME = re.compile(r"^(?=.*[A-Za-z])[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 

@@ -52,7 +52,7 @@ class Instance:
     def __init__(self, conn, config: dict):
         import torch
 
-        from pdserve.connector.device_layout import KvTensorLayout
+        from pdserve.transfer.device_layout import KvTensorLayout
         from pdserve.transport.device import MemoryDevice
         from pdserve.transport.device_transport import backend_for
         from pdserve.transport.gpu_ipc import GpuIpcTransport
@@ -96,7 +96,7 @@ class Instance:
                 "gpu": self.torch.cuda.get_device_name(0) if self.cuda else None}
 
     def attach(self, peer: str, descriptors: list, runs: list) -> dict:
-        from pdserve.connector.device_layout import BlockRuns
+        from pdserve.transfer.device_layout import BlockRuns
         from pdserve.transport import RegionDescriptor
         self.transport.attach_peer(peer, [RegionDescriptor.from_wire(d) for d in descriptors])
         self.peer_runs[peer] = [BlockRuns(**{**r, "run_offsets": tuple(r["run_offsets"])}) for r in runs]

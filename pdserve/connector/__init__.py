@@ -4,7 +4,7 @@
 
 def __getattr__(name: str):
     if name == "PDConnector":
-        from pdserve.connector.connector import PDConnector
+        from pdserve.connector.connector import PDConnector  # lazy: it imports vLLM, which this package must not
 
         return PDConnector
     raise AttributeError(name)

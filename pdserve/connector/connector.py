@@ -28,13 +28,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from pdserve.config import parse_connector_config
 from pdserve.connector.kv_groups import KvGroups
 from pdserve.connector.metadata import StepPlan
-from pdserve.connector.ranks import Ranks
 from pdserve.connector.registration import RouterRegistration
 from pdserve.connector.scheduler import PDScheduler, scheduler_for
 from pdserve.connector.stats import PDConnectorStats, PDPromMetrics
 from pdserve.connector.support import check_supported
-from pdserve.connector.worker import PDWorker
+from pdserve.connector.worker.worker import PDWorker
 from pdserve.placement import WorkerNews
+from pdserve.transfer.ranks import Ranks
 from pdserve.vllm_logging import route_logs_to_vllm
 
 
@@ -64,7 +64,7 @@ def _tensor_parallel(vllm_config) -> Ranks:
     size = vllm_config.parallel_config.tensor_parallel_size
     rank = 0
     if size > 1:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # lazy: TP > 1 only
 
         rank = get_tensor_model_parallel_rank()
     model = vllm_config.model_config

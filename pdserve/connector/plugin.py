@@ -5,9 +5,9 @@ CONNECTOR_NAME = "PDConnector"
 
 
 def register() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # lazy: heavy
 
-    from pdserve.vllm_patches import install
+    from pdserve.vllm_patches import install  # lazy: heavy (vLLM)
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "pdserve.connector.connector", "PDConnector")

@@ -13,8 +13,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from pdserve.connector.engine import TransferStats
 from pdserve.placement import OVER, WITHIN
+from pdserve.transfer.engine import TransferStats
 
 # What take_stats sends: the engine's TransferStats fields plus what the worker counts itself.
 _EMPTY = {**asdict(TransferStats()), "num_rejected": 0, "num_recomputed": 0, "handshake_seconds": [],

@@ -43,11 +43,11 @@ def unsupported(vllm_config) -> list[str]:
 
 def _mla_rope_sound() -> bool:
     """True unless this is a CPU whose vLLM rotary kernel pdserve's patch did not fix."""
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # lazy: heavy, MLA models only
 
     if not current_platform.is_cpu():
         return True
-    from pdserve.vllm_patches import cpu_rope
+    from pdserve.vllm_patches import cpu_rope  # lazy: on CPU only
 
     return cpu_rope.applied()
 

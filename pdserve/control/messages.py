@@ -206,7 +206,7 @@ class RemoteBlocks:
 class WriteDone:
     """P -> D (WRITE mode): every block of `transfer_id` was written (ok), or P stopped for good
     (not ok: failed, cancelled, or released by D) and will not write again. `kv_digest`: with
-    `kv_verify digest`, a CRC-32 per block of what P sent (connector/kv_digest.py)."""
+    `kv_verify digest`, a CRC-32 per block of what P sent (transfer/kv_digest.py)."""
 
     transfer_id: str
     ok: bool

@@ -148,7 +148,7 @@ def test_forged_or_unknown_transfer_is_recomputed_never_wrong(pd):
         "model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
         "kv_transfer_params": params})
     # WRITE: D waits transfer_timeout for P's copies; P, idle (no engine step runs), still answers
-    # D's Release between steps (connector/idle_pump.py), so D need not wait a second transfer_timeout
+    # D's Release between steps (connector/worker/idle_pump.py), so D need not wait a second transfer_timeout
     limit = TIMEOUTS["transfer_timeout"] + TIMEOUTS["release_grace"] + 15
     assert time.monotonic() - started < limit
     assert response.status_code == 200, response.text

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
-from pdserve.connector.metadata import AwaitSpec, StepPlan
+from pdserve.connector.metadata import StepPlan
 from pdserve.connector.scheduler.leg_truncation import truncate_to_one_token
 from pdserve.connector.scheduler.step_pacing import PrefillPacer
 from pdserve.connector.scheduler.whole_requests import PromptTurns, addressed_to_self
@@ -37,6 +37,7 @@ from pdserve.placement import (
     peer_key,
     uncomputed_prompt_tokens,
 )
+from pdserve.transfer.specs import AwaitSpec
 
 NOT_YET = (None, False)  # get_num_new_matched_tokens: vLLM asks again next step
 NOW = (0, False)  # get_num_new_matched_tokens: nothing external, schedule it

@@ -22,7 +22,7 @@ def live_process():
     its liveness; `kill(liveness)` ends one for good. Every child is killed and reaped at the end."""
     import subprocess
 
-    from pdserve.connector.incarnation import boot_id, process_start_time
+    from pdserve.transfer.incarnation import boot_id, process_start_time
 
     children: list[subprocess.Popen] = []
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.config import ConnectorConfig, TransferMode, parse_connector_config
-from pdserve.connector.device_layout import BlockRuns
-from pdserve.connector.engine import Finished, TransferEngine
-from pdserve.connector.incarnation import Incarnation
-from pdserve.connector.layout import KvLayout, LayerPlacement
-from pdserve.connector.peers import HandshakeResult
 from pdserve.connector.scheduler.prompt_digest import prompt_digest
 from pdserve.control.address import PeerAddress
+from pdserve.transfer.device_layout import BlockRuns
+from pdserve.transfer.engine import Finished, TransferEngine
+from pdserve.transfer.incarnation import Incarnation
+from pdserve.transfer.layout import KvLayout, LayerPlacement
+from pdserve.transfer.peers import HandshakeResult
 from pdserve.transport import SharedSegment, ShmTransport, segment_name
 
 NUM_LAYERS = 2

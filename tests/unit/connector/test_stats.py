@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import RecvSpec, SendSpec
 from pdserve.connector.stats import DURATION_BUCKETS_S, SIZE_BUCKETS_BYTES, PDConnectorStats, PDPromMetrics
+from pdserve.transfer.specs import RecvSpec, SendSpec
 from tests.unit.connector.harness import BLOCK_BYTES, D_ADDRESS, NUM_LAYERS, P_ADDRESS, PROMPT_HASH, Pair
 
 LABELS = {"model_name": "tiny", "engine": "0"}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.config import parse_connector_config
-from pdserve.connector.worker import PDWorker
+from pdserve.connector.worker.worker import PDWorker
 from pdserve.control.address import PeerAddress
 from pdserve.control.messages import WriteDone
 from pdserve.faults.rig import RIG_NAME, register

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from pdserve.connector.layout import (
+from pdserve.errors import ProtocolError
+from pdserve.transfer.layout import (
     MAX_BLOCK_BYTES,
     MAX_LAYERS,
     MAX_NUM_BLOCKS,
@@ -19,7 +20,6 @@ from pdserve.connector.layout import (
     KvLayout,
     LayerPlacement,
 )
-from pdserve.errors import ProtocolError
 from pdserve.transport.base import MAX_REGION_BYTES, RegionDescriptor
 from tests.unit.fuzz.strategies import EDGE_INT, INT, TEXT, WIRE_VALUE, fuzz_settings
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 from pdserve.config import ConnectorConfig, Role, TransferMode
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.metadata import CancelSpec, RecvSpec, StepPlan
+from pdserve.connector.metadata import StepPlan
 from pdserve.connector.scheduler.legs.base import Leg, LegStatus
 from pdserve.connector.scheduler.prompt_digest import request_digest
 from pdserve.control.address import PeerAddress
@@ -33,6 +33,7 @@ from pdserve.placement import (
     peer_key,
     status_of,
 )
+from pdserve.transfer.specs import CancelSpec, RecvSpec
 
 logger = logging.getLogger("pdserve.connector")
 PLACEMENT_LOG_EVERY_S = 5.0

@@ -19,13 +19,14 @@ from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.metadata import HoldSpec, StageSpec, StepPlan
+from pdserve.connector.metadata import StageSpec, StepPlan
 from pdserve.connector.scheduler.legs.base import Leg, LegStatus
 from pdserve.connector.scheduler.prompt_digest import request_digest
 from pdserve.control.address import PeerAddress
 from pdserve.errors import ProtocolError
 from pdserve.params import Held, build_transfer_params, parse_transfer_params
 from pdserve.placement import Decision, Placement
+from pdserve.transfer.specs import HoldSpec
 
 logger = logging.getLogger("pdserve.connector")
 

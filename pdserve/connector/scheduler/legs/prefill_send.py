@@ -13,13 +13,14 @@ from typing import Any, Callable
 
 from pdserve.config import ConnectorConfig, Role
 from pdserve.connector.kv_groups import ONE_GROUP, KvGroups
-from pdserve.connector.metadata import CancelSpec, SendSpec, StepPlan
+from pdserve.connector.metadata import StepPlan
 from pdserve.connector.scheduler.legs.base import Leg, LegStatus
 from pdserve.connector.scheduler.prompt_digest import request_digest
 from pdserve.connector.scheduler.whole_requests import addressed_to_self
 from pdserve.errors import ProtocolError
 from pdserve.params import parse_transfer_params
 from pdserve.placement import Decision
+from pdserve.transfer.specs import CancelSpec, SendSpec
 
 logger = logging.getLogger("pdserve.connector")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import CancelSpec, RecvSpec
 from pdserve.connector.scheduler.prompt_digest import prompt_digest
+from pdserve.transfer.specs import CancelSpec, RecvSpec
 from tests.unit.connector.harness import P_ADDRESS
 from tests.unit.connector.request_status import RequestStatus
 from tests.unit.connector.scheduler.scheduler_fakes import (

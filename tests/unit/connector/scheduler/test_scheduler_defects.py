@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import torch
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import CancelSpec
 from pdserve.connector.scheduler import scheduler_for
 from pdserve.connector.scheduler.leg_truncation import truncate_to_one_token
 from pdserve.connector.scheduler.prompt_digest import embeds_digest
 from pdserve.placement.inbox import WorkerNews
+from pdserve.transfer.specs import CancelSpec
 from tests.unit.connector.harness import D_ADDRESS, make_config
 from tests.unit.connector.request_status import RequestStatus
 from tests.unit.connector.scheduler.scheduler_fakes import (

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass
 
 from pdserve.config import TransferMode
-from pdserve.connector.metadata import AwaitSpec, CancelSpec
 from pdserve.connector.scheduler import scheduler_for
 from pdserve.connector.scheduler.legs.base import LegStatus
 from pdserve.placement.inbox import WorkerNews
 from pdserve.placement.messages import PrefillLoad
+from pdserve.transfer.specs import AwaitSpec, CancelSpec
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS, make_config
 from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,

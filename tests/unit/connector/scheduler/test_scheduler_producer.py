@@ -7,8 +7,8 @@ import time
 import pytest
 
 from pdserve.config import Role, TransferMode
-from pdserve.connector.metadata import HoldSpec, SendSpec
 from pdserve.params import parse_transfer_params
+from pdserve.transfer.specs import HoldSpec, SendSpec
 from tests.unit.connector.harness import D_ADDRESS, P_ADDRESS
 from tests.unit.connector.request_status import RequestStatus
 from tests.unit.connector.scheduler.scheduler_fakes import (

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pdserve.config import TransferMode
 from pdserve.connector.kv_groups import KvGroups
-from pdserve.connector.metadata import RecvSpec
 from pdserve.connector.scheduler import scheduler_for
 from pdserve.connector.scheduler.prompt_digest import prompt_digest
+from pdserve.transfer.specs import RecvSpec
 from tests.unit.connector.harness import P_ADDRESS, make_config
 from tests.unit.connector.scheduler.scheduler_fakes import (
     BLOCK_SIZE,
