@@ -10,6 +10,7 @@ import types
 import msgpack
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 import pdserve.control.codec as codec_module
 from pdserve.control.codec import Codec
@@ -29,7 +30,16 @@ class Setup:
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         router_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        monitor = self.router.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.registrar = Registrar("127.0.0.1", 0, router_port, SECRET)
+        # the registrar forwards only over a completed connection (an instance's next heartbeat comes
+        # within a second); the tests start once its link to the router's socket is up
+        try:
+            assert monitor.poll(30_000), "the registrar never connected to the router's socket"
+            recv_monitor_message(monitor)
+        finally:
+            self.router.disable_monitor()
+            monitor.close(0)
         self.sender = self.context.socket(zmq.DEALER)
         self.sender.setsockopt(zmq.LINGER, 0)
         self.sender.connect(f"tcp://127.0.0.1:{self.registrar.port}")
