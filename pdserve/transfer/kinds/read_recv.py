@@ -9,28 +9,13 @@ vLLM reuse the blocks, only then.
 
 from __future__ import annotations
 
-from pdserve.config import ConnectorConfig
 from pdserve.control.messages import ReadAck, ReadDone
-from pdserve.transfer.binding import PeerBinding
-from pdserve.transfer.copier import Copier
-from pdserve.transfer.endings import Endings
-from pdserve.transfer.kinds.base import TransferKind
-from pdserve.transfer.messenger import Messenger
+from pdserve.transfer.kinds.copying import CopyingKind
 from pdserve.transfer.record import Transfer, TransferState
-from pdserve.transfer.verify import Verifier
 from pdserve.transport.base import Direction
 
 
-class ReadRecv(TransferKind):
-    def __init__(self, messenger: Messenger, endings: Endings, *, config: ConnectorConfig, binding: PeerBinding,
-                 copier: Copier, verifier: Verifier, num_layers: int):
-        super().__init__(messenger, endings)
-        self._config = config
-        self._binding = binding
-        self._copier = copier
-        self._verifier = verifier
-        self._num_layers = num_layers
-
+class ReadRecv(CopyingKind):
     def on_message(self, t: Transfer, sender: str, message, received: float) -> None:
         if isinstance(message, ReadAck):
             self._on_read_ack(t, message)

@@ -10,30 +10,15 @@ from __future__ import annotations
 
 import time
 
-from pdserve.config import ConnectorConfig
 from pdserve.control.messages import Release, RemoteBlocks, WriteDone
-from pdserve.transfer.binding import PeerBinding
-from pdserve.transfer.copier import Copier
-from pdserve.transfer.endings import Endings
-from pdserve.transfer.kinds.base import TransferKind
-from pdserve.transfer.messenger import Messenger
+from pdserve.transfer.kinds.copying import CopyingKind
 from pdserve.transfer.record import RELEASED_BY_DECODE, Transfer
-from pdserve.transfer.verify import Verifier
 from pdserve.transport.base import Direction
 
 WRITE_MARGIN_S = 0.25  # P ends its write window this much (at most a tenth of it) before D's grant ends
 
 
-class WriteSend(TransferKind):
-    def __init__(self, messenger: Messenger, endings: Endings, *, config: ConnectorConfig, binding: PeerBinding,
-                 copier: Copier, verifier: Verifier, num_layers: int):
-        super().__init__(messenger, endings)
-        self._config = config
-        self._binding = binding
-        self._copier = copier
-        self._verifier = verifier
-        self._num_layers = num_layers
-
+class WriteSend(CopyingKind):
     def on_message(self, t: Transfer, sender: str, message, received: float) -> None:
         if isinstance(message, RemoteBlocks):
             self._on_remote_blocks(t, sender, message, received)
